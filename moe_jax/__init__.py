@@ -1,0 +1,1 @@
+"""moe_jax: communication-efficient Mixture-of-Experts training on JAX."""

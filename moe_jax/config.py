@@ -1,0 +1,223 @@
+"""Typed configuration: the one place that knows every setting and checks it.
+
+Config files in `configs/` are `ml_collections` dicts (overridable from the
+command line); `load()` turns one into frozen dataclasses and validates it
+once, before anything is traced or compiled. Every error is a one-line
+`ValueError` that names the setting and what would be valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import ml_collections
+
+SCORE_FNS = ("softmax", "sigmoid")
+MOE_IMPLS = ("auto", "tiled", "ragged_dot", "capacity", "dense")
+DTYPES = ("float32", "bfloat16")
+REMAT = ("none", "full")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Router, experts and load balancing of every MoE layer."""
+
+    num_experts: int = 8
+    top_k: int = 2
+    expert_mlp_dim: int = 128
+    num_shared_experts: int = 0
+    shared_mlp_dim: int = 128  # width of each shared expert
+    score_fn: str = "softmax"
+    renormalize: bool = True  # rescale the selected weights to sum to one
+    routed_scaling: float = 1.0
+    n_groups: int = 1  # group-limited routing (DeepSeek-V3); 1 disables it
+    topk_groups: int = 1
+    capacity_factor: float = 0.0  # 0 = dropless
+    impl: str = "auto"
+    tile_size: int = 128  # rows per tile of the `tiled` grouped matmul
+    aux_loss_coef: float = 0.01
+    seq_aux_loss_coef: float = 0.0
+    z_loss_coef: float = 0.001
+    bias_update_rate: float = 0.0  # aux-loss-free balancing; 0 disables it
+
+    @property
+    def dropless(self) -> bool:
+        return self.capacity_factor == 0.0
+
+    def capacity(self, num_tokens: int) -> int:
+        """Slots per expert for `num_tokens` tokens in capacity mode."""
+        slots = math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts)
+        return max(1, min(num_tokens, slots))
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Decoder-only transformer: GQA attention, dense and MoE SwiGLU blocks."""
+
+    vocab_size: int = 259
+    num_layers: int = 2
+    embed_dim: int = 64
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    mlp_dim: int = 128  # width of the dense SwiGLU layers
+    first_k_dense: int = 0
+    moe_every: int = 1  # after the dense prefix, every moe_every-th layer is MoE
+    tie_embeddings: bool = False
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    dtype: str = "float32"  # compute dtype; parameters are always float32
+    remat: str = "none"
+
+    @property
+    def num_moe_layers(self) -> int:
+        return (self.num_layers - self.first_k_dense) // self.moe_every
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """The minimal training loop (the full trainer extends this)."""
+
+    steps: int = 200
+    batch_size: int = 8
+    seq_len: int = 64
+    learning_rate: float = 3e-3
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    grad_clip: float = 1.0
+    seed: int = 0
+    log_every: int = 10
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    model: ModelConfig = ModelConfig()
+    moe: MoEConfig = MoEConfig()
+    train: TrainConfig = TrainConfig()
+
+
+def to_config_dict(config: Config) -> ml_collections.ConfigDict:
+    """The `ml_collections` form of a typed config (what `configs/*.py` return)."""
+    return ml_collections.ConfigDict(dataclasses.asdict(config))
+
+
+def load(config: ml_collections.ConfigDict | dict[str, Any]) -> Config:
+    """Builds the typed config from a config dict and validates it."""
+    raw = config.to_dict() if isinstance(config, ml_collections.ConfigDict) else dict(config)
+    sections = {f.name: f.type for f in dataclasses.fields(Config)}
+    unknown = sorted(set(raw) - set(sections))
+    if unknown:
+        raise ValueError(f"unknown config section {unknown[0]!r}; valid: {sorted(sections)}")
+    kwargs = {}
+    for field in dataclasses.fields(Config):
+        cls = {"model": ModelConfig, "moe": MoEConfig, "train": TrainConfig}[field.name]
+        values = dict(raw.get(field.name, {}))
+        names = {f.name for f in dataclasses.fields(cls)}
+        bad = sorted(set(values) - names)
+        if bad:
+            raise ValueError(
+                f"unknown setting {field.name}.{bad[0]}; valid settings: {sorted(names)}"
+            )
+        kwargs[field.name] = cls(**values)
+    result = Config(**kwargs)
+    validate(result)
+    return result
+
+
+def _check(ok: bool, setting: str, value: Any, valid: str) -> None:
+    if not ok:
+        raise ValueError(f"{setting}={value!r} is invalid: {valid}")
+
+
+def _positive(section: Any, prefix: str, *names: str) -> None:
+    for name in names:
+        value = getattr(section, name)
+        _check(value > 0, f"{prefix}.{name}", value, "must be > 0")
+
+
+def validate(config: Config) -> None:
+    """Raises a one-line ValueError for the first inconsistent setting."""
+    m, e, t = config.model, config.moe, config.train
+    _positive(m, "model", "vocab_size", "num_layers", "embed_dim", "num_heads")
+    _positive(m, "model", "num_kv_heads", "head_dim", "mlp_dim", "moe_every", "norm_eps")
+    _positive(m, "model", "rope_theta")
+    _check(
+        m.num_heads % m.num_kv_heads == 0,
+        "model.num_heads",
+        m.num_heads,
+        f"must be a multiple of model.num_kv_heads={m.num_kv_heads}",
+    )
+    _check(m.head_dim % 2 == 0, "model.head_dim", m.head_dim, "must be even (rotary pairs)")
+    _check(m.dtype in DTYPES, "model.dtype", m.dtype, f"valid: {DTYPES}")
+    _check(m.remat in REMAT, "model.remat", m.remat, f"valid: {REMAT}")
+    _check(
+        0 <= m.first_k_dense <= m.num_layers,
+        "model.first_k_dense",
+        m.first_k_dense,
+        f"must be in [0, model.num_layers={m.num_layers}]",
+    )
+    _check(
+        (m.num_layers - m.first_k_dense) % m.moe_every == 0,
+        "model.moe_every",
+        m.moe_every,
+        f"must divide model.num_layers - model.first_k_dense = {m.num_layers - m.first_k_dense}",
+    )
+
+    _positive(e, "moe", "num_experts", "top_k", "expert_mlp_dim", "shared_mlp_dim")
+    _positive(e, "moe", "n_groups", "topk_groups", "tile_size", "routed_scaling")
+    _check(
+        e.top_k <= e.num_experts,
+        "moe.top_k",
+        e.top_k,
+        f"must be <= moe.num_experts={e.num_experts}",
+    )
+    _check(e.score_fn in SCORE_FNS, "moe.score_fn", e.score_fn, f"valid: {SCORE_FNS}")
+    _check(e.impl in MOE_IMPLS, "moe.impl", e.impl, f"valid: {MOE_IMPLS}")
+    _check(
+        e.num_shared_experts >= 0, "moe.num_shared_experts", e.num_shared_experts, "must be >= 0"
+    )
+    _check(
+        e.capacity_factor >= 0,
+        "moe.capacity_factor",
+        e.capacity_factor,
+        "must be >= 0 (0 means dropless)",
+    )
+    _check(
+        e.impl != "capacity" or not e.dropless,
+        "moe.impl",
+        e.impl,
+        "'capacity' needs moe.capacity_factor > 0; dropless runs use 'auto', 'tiled' or "
+        "'ragged_dot'",
+    )
+    _check(
+        e.num_experts % e.n_groups == 0,
+        "moe.n_groups",
+        e.n_groups,
+        f"must divide moe.num_experts={e.num_experts}",
+    )
+    _check(
+        e.topk_groups <= e.n_groups,
+        "moe.topk_groups",
+        e.topk_groups,
+        f"must be <= moe.n_groups={e.n_groups}",
+    )
+    reachable = e.topk_groups * (e.num_experts // e.n_groups)
+    _check(
+        e.top_k <= reachable,
+        "moe.top_k",
+        e.top_k,
+        f"must be <= moe.topk_groups * experts per group = {reachable}",
+    )
+    for name in ("aux_loss_coef", "seq_aux_loss_coef", "z_loss_coef", "bias_update_rate"):
+        _check(getattr(e, name) >= 0, f"moe.{name}", getattr(e, name), "must be >= 0")
+
+    _positive(t, "train", "steps", "batch_size", "seq_len", "learning_rate", "log_every")
+    _check(t.warmup_steps >= 0, "train.warmup_steps", t.warmup_steps, "must be >= 0")
+    _check(t.weight_decay >= 0, "train.weight_decay", t.weight_decay, "must be >= 0")
+    _check(t.grad_clip >= 0, "train.grad_clip", t.grad_clip, "must be >= 0 (0 disables)")
+    for name in ("b1", "b2"):
+        _check(0 <= getattr(t, name) < 1, f"train.{name}", getattr(t, name), "must be in [0, 1)")

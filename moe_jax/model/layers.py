@@ -1,0 +1,62 @@
+"""Small building blocks: RMSNorm, token embedding, rotary embedding, SwiGLU MLP."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moe_jax.model.axes import constrain, ones_param, param
+
+
+class RMSNorm(nnx.Module):
+    """Root-mean-square norm, computed in float32 whatever the compute dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        self.scale = ones_param((dim,), ("embed",))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (x32 * self.scale[...]).astype(x.dtype)
+
+
+class Embed(nnx.Module):
+    """Token embedding; `attend` reuses it as the output head when tied."""
+
+    def __init__(self, vocab_size: int, dim: int, *, rngs: nnx.Rngs):
+        self.table = param(rngs, (vocab_size, dim), ("vocab", "embed"), fan_in=1)
+
+    def __call__(self, tokens: jax.Array, dtype: jnp.dtype) -> jax.Array:
+        return jnp.take(self.table[...], tokens, axis=0).astype(dtype)
+
+    def attend(self, x: jax.Array) -> jax.Array:
+        table = self.table[...].astype(x.dtype)
+        return jnp.einsum("bsd,vd->bsv", x, table, preferred_element_type=jnp.float32)
+
+
+def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding on [batch, seq, heads, head_dim] (half-split pairs)."""
+    half = x.shape[-1] // 2
+    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle = positions[..., None].astype(jnp.float32) * freq  # [batch, seq, half]
+    sin, cos = jnp.sin(angle)[:, :, None, :], jnp.cos(angle)[:, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward: down(silu(x @ gate) * (x @ up))."""
+
+    def __init__(self, dim: int, hidden: int, *, rngs: nnx.Rngs):
+        self.gate = param(rngs, (dim, hidden), ("embed", "mlp"))
+        self.up = param(rngs, (dim, hidden), ("embed", "mlp"))
+        self.down = param(rngs, (hidden, dim), ("mlp", "embed"))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dtype = x.dtype
+        h = jax.nn.silu(x @ self.gate[...].astype(dtype)) * (x @ self.up[...].astype(dtype))
+        h = constrain(h, ("batch", "seq", "mlp"))
+        return h @ self.down[...].astype(dtype)

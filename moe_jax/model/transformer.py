@@ -1,0 +1,120 @@
+"""Decoder-only transformer: pre-norm blocks, dense prefix, then MoE layers.
+
+Layers are stacked and applied with `lax.scan`, so compile time does not grow
+with depth. A stack repeats one unit: the dense prefix repeats a single dense
+block; the MoE part repeats `moe_every - 1` dense blocks followed by one MoE
+block.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moe_jax.config import ModelConfig, MoEConfig
+from moe_jax.model.attention import Attention
+from moe_jax.model.axes import constrain, param
+from moe_jax.model.layers import MLP, Embed, RMSNorm
+from moe_jax.moe.block import MoE, MoEStats
+
+
+class Block(nnx.Module):
+    """x + attn(norm(x)), then + ffn(norm(x)); the ffn is a dense MLP or an MoE."""
+
+    def __init__(self, cfg: ModelConfig, moe: MoEConfig | None, *, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.ffn_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
+        if moe is None:
+            self.ffn = MLP(cfg.embed_dim, cfg.mlp_dim, rngs=rngs)
+        else:
+            self.ffn = MoE(cfg.embed_dim, moe, rngs=rngs)
+
+    def __call__(self, x: jax.Array, positions: jax.Array):
+        x = x + self.attn(self.attn_norm(x), positions)
+        x = constrain(x, ("batch", "seq", "embed"))
+        out = self.ffn(self.ffn_norm(x))
+        stats = None
+        if isinstance(out, tuple):
+            out, stats = out
+        return constrain(x + out, ("batch", "seq", "embed")), stats
+
+
+class Unit(nnx.Module):
+    """The repeated unit of a stack: dense blocks, optionally ending in one MoE block."""
+
+    def __init__(self, cfg: ModelConfig, moe: MoEConfig | None, num_dense: int, *, rngs):
+        blocks = [Block(cfg, None, rngs=rngs) for _ in range(num_dense)]
+        if moe is not None:
+            blocks.append(Block(cfg, moe, rngs=rngs))
+        self.blocks = nnx.List(blocks)
+
+    def __call__(self, x: jax.Array, positions: jax.Array):
+        stats = None
+        for block in self.blocks:
+            x, block_stats = block(x, positions)
+            stats = block_stats if block_stats is not None else stats
+        return x, stats
+
+
+class Stack(nnx.Module):
+    """`repeats` copies of a unit with parameters stacked on a leading 'layers' axis."""
+
+    def __init__(self, cfg: ModelConfig, moe, num_dense: int, repeats: int, *, rngs):
+        @nnx.split_rngs(splits=repeats)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make(rngs: nnx.Rngs) -> Unit:
+            return Unit(cfg, moe, num_dense, rngs=rngs)
+
+        self.units = make(rngs)
+        self.remat = cfg.remat
+
+    def __call__(self, x: jax.Array, positions: jax.Array):
+        graphdef, state = nnx.split(self.units)
+
+        def body(carry, unit_state):
+            return nnx.merge(graphdef, unit_state)(carry, positions)
+
+        if self.remat == "full":
+            body = jax.checkpoint(body)
+        return jax.lax.scan(body, x, state)
+
+
+class Transformer(nnx.Module):
+    """tokens [batch, seq] -> (logits [batch, seq, vocab] float32, stacked MoE stats)."""
+
+    def __init__(self, cfg: ModelConfig, moe: MoEConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = Embed(cfg.vocab_size, cfg.embed_dim, rngs=rngs)
+        self.dense = (
+            Stack(cfg, None, 1, cfg.first_k_dense, rngs=rngs) if cfg.first_k_dense else None
+        )
+        self.moe = (
+            Stack(cfg, moe, cfg.moe_every - 1, cfg.num_moe_layers, rngs=rngs)
+            if cfg.num_moe_layers
+            else None
+        )
+        self.final_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
+        self.head = (
+            None
+            if cfg.tie_embeddings
+            else param(rngs, (cfg.embed_dim, cfg.vocab_size), ("embed", "vocab"))
+        )
+
+    def __call__(self, tokens: jax.Array) -> tuple[jax.Array, MoEStats | None]:
+        dtype = jnp.dtype(self.cfg.dtype)
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        x = constrain(self.embed(tokens, dtype), ("batch", "seq", "embed"))
+        stats = None
+        if self.dense is not None:
+            x, _ = self.dense(x, positions)
+        if self.moe is not None:
+            x, stats = self.moe(x, positions)
+        x = self.final_norm(x)
+        if self.head is None:
+            logits = self.embed.attend(x)
+        else:
+            head = self.head[...].astype(dtype)
+            logits = jnp.einsum("bsd,dv->bsv", x, head, preferred_element_type=jnp.float32)
+        return constrain(logits, ("batch", "seq", "vocab")), stats

@@ -1,0 +1,100 @@
+"""Dispatch and combine: move token copies into an expert-ordered buffer and back.
+
+A `Layout` says which buffer row each (token, choice) assignment occupies and
+which token feeds each row. Dispatch is then one gather and combine one
+weighted gather, with static shapes whatever the routing:
+
+* `sorted_layout`: rows sorted by expert, each expert's group padded to a
+  multiple of `tile` (tile=1: no padding, the `ragged_dot` contract).
+* `capacity_layout`: a fixed bucket of `capacity` rows per expert, `[E, C]`,
+  filled in priority order; assignments past capacity were dropped by routing.
+
+Expert-parallel dispatchers (later) exchange these buffers between devices
+without changing the router or the expert computation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from moe_jax.moe.routing import Routing, capacity_keep
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    row: jax.Array  # [T, k] buffer row of each assignment; num_rows where dropped
+    source: jax.Array  # [R] token feeding each row; T marks an empty (zero) row
+    group_sizes: jax.Array  # [E] rows owned by each expert (padding included)
+    tile_expert: jax.Array  # [R // tile] expert owning each tile
+    num_tiles: jax.Array  # [] tiles holding at least one row
+
+
+def _round_up(x, multiple):
+    return (x + multiple - 1) // multiple * multiple
+
+
+def sorted_layout(routing: Routing, num_experts: int, tile: int = 1) -> Layout:
+    """Rows grouped by expert in expert order, each group padded to `tile` rows."""
+    num_tokens, k = routing.expert_index.shape
+    assignments = num_tokens * k
+    num_rows = _round_up(assignments + num_experts * (tile - 1), tile)
+    expert = jnp.where(routing.keep, routing.expert_index, num_experts).reshape(-1)
+    order = jnp.argsort(expert, stable=True)
+    counts = jnp.bincount(expert, length=num_experts + 1)[:num_experts]
+    padded = _round_up(counts, tile)
+    starts = jnp.cumsum(counts) - counts
+    padded_ends = jnp.cumsum(padded)
+    padded_starts = padded_ends - padded
+    sorted_expert = expert[order]
+    safe = jnp.minimum(sorted_expert, num_experts - 1)
+    rank = jnp.arange(assignments) - starts[safe]
+    row_sorted = jnp.where(sorted_expert < num_experts, padded_starts[safe] + rank, num_rows)
+    row = jnp.zeros(assignments, jnp.int32).at[order].set(row_sorted.astype(jnp.int32))
+    token = jnp.arange(assignments, dtype=jnp.int32) // k
+    source = jnp.full(num_rows, num_tokens, jnp.int32).at[row].set(token, mode="drop")
+    tiles = jnp.arange(num_rows // tile)
+    tile_expert = jnp.searchsorted(padded_ends // tile, tiles, side="right")
+    return Layout(
+        row=row.reshape(num_tokens, k),
+        source=source,
+        group_sizes=padded.astype(jnp.int32),
+        tile_expert=jnp.minimum(tile_expert, num_experts - 1).astype(jnp.int32),
+        num_tiles=(padded_ends[-1] // tile).astype(jnp.int32),
+    )
+
+
+def capacity_layout(routing: Routing, num_experts: int, capacity: int) -> Layout:
+    """A `[num_experts, capacity]` bucket per expert, best-weighted assignments first."""
+    num_tokens = routing.expert_index.shape[0]
+    num_rows = num_experts * capacity
+    _, rank = capacity_keep(routing.expert_index, routing.weights, num_experts, capacity)
+    row = jnp.where(routing.keep, routing.expert_index * capacity + rank, num_rows)
+    token = jnp.broadcast_to(jnp.arange(num_tokens, dtype=jnp.int32)[:, None], row.shape)
+    source = jnp.full(num_rows, num_tokens, jnp.int32)
+    source = source.at[row.reshape(-1)].set(token.reshape(-1), mode="drop")
+    return Layout(
+        row=row.astype(jnp.int32),
+        source=source,
+        group_sizes=jnp.full(num_experts, capacity, jnp.int32),
+        tile_expert=jnp.arange(num_experts, dtype=jnp.int32),
+        num_tiles=jnp.asarray(num_experts, jnp.int32),
+    )
+
+
+def dispatch(x: jax.Array, layout: Layout) -> jax.Array:
+    """Token rows [T, d] -> expert-ordered buffer [R, d] (empty rows are zero)."""
+    padded = jnp.concatenate([x, jnp.zeros((1, x.shape[-1]), x.dtype)])
+    return padded[layout.source]
+
+
+def combine(y: jax.Array, layout: Layout, routing: Routing) -> jax.Array:
+    """Buffer [R, d] -> tokens [T, d]: the routing-weighted sum of each token's rows."""
+    padded = jnp.concatenate([y, jnp.zeros((1, y.shape[-1]), y.dtype)])
+    rows = padded[layout.row]  # [T, k, d]; dropped assignments read the zero row
+    weights = routing.weights.astype(y.dtype)
+    out = jnp.einsum("tk,tkd->td", weights, rows, preferred_element_type=jnp.float32)
+    return out.astype(y.dtype)

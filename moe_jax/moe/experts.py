@@ -1,0 +1,84 @@
+"""Expert compute: E SwiGLU experts applied to routed tokens, one function per `moe.impl`.
+
+Every implementation maps (tokens [T, d], routing, weights) to the combined
+expert output [T, d]; they differ only in how rows reach their expert's
+weights. `dense` is the per-expert reference (every expert on every token,
+masked), kept for tests and tiny debugging runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from moe_jax.config import MoEConfig
+from moe_jax.kernels.grouped_matmul import ragged_gmm, tiled_gmm
+from moe_jax.moe import dispatch as dsp
+from moe_jax.moe.routing import Routing
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ExpertWeights:
+    gate: jax.Array  # [E, d, f]
+    up: jax.Array  # [E, d, f]
+    down: jax.Array  # [E, f, d]
+
+
+Gmm = Callable[[jax.Array, jax.Array], jax.Array]
+
+
+def _swiglu(x: jax.Array, w: ExpertWeights, gmm: Gmm) -> jax.Array:
+    return gmm(jax.nn.silu(gmm(x, w.gate)) * gmm(x, w.up), w.down)
+
+
+def tiled(x: jax.Array, routing: Routing, w: ExpertWeights, cfg: MoEConfig) -> jax.Array:
+    """Sorted, tile-padded rows and a loop of per-tile matmuls (fast on CPU)."""
+    layout = dsp.sorted_layout(routing, cfg.num_experts, cfg.tile_size)
+    gmm = lambda rows, weight: tiled_gmm(
+        rows, weight, layout.tile_expert, layout.num_tiles, cfg.tile_size
+    )
+    return dsp.combine(_swiglu(dsp.dispatch(x, layout), w, gmm), layout, routing)
+
+
+def ragged_dot(x: jax.Array, routing: Routing, w: ExpertWeights, cfg: MoEConfig) -> jax.Array:
+    """Sorted rows and XLA's `ragged_dot` (the GPU/TPU path)."""
+    layout = dsp.sorted_layout(routing, cfg.num_experts)
+    gmm = lambda rows, weight: ragged_gmm(rows, weight, layout.group_sizes)
+    return dsp.combine(_swiglu(dsp.dispatch(x, layout), w, gmm), layout, routing)
+
+
+def capacity(x: jax.Array, routing: Routing, w: ExpertWeights, cfg: MoEConfig) -> jax.Array:
+    """Fixed `[E, C, d]` buckets and one batched matmul per projection."""
+    slots = cfg.capacity(x.shape[0])
+    layout = dsp.capacity_layout(routing, cfg.num_experts, slots)
+    buckets = dsp.dispatch(x, layout).reshape(cfg.num_experts, slots, -1)
+    gmm = lambda rows, weight: jnp.einsum("ecd,edf->ecf", rows, weight)
+    out = _swiglu(buckets, w, gmm).reshape(cfg.num_experts * slots, -1)
+    return dsp.combine(out, layout, routing)
+
+
+def dense(x: jax.Array, routing: Routing, w: ExpertWeights, cfg: MoEConfig) -> jax.Array:
+    """Reference: every expert on every token, weighted by its (possibly zero) gate."""
+    out = jnp.zeros(x.shape, jnp.float32)
+    for e in range(cfg.num_experts):
+        gate = jnp.sum(jnp.where(routing.expert_index == e, routing.weights, 0.0), axis=-1)
+        y = (jax.nn.silu(x @ w.gate[e]) * (x @ w.up[e])) @ w.down[e]
+        out = out + gate[:, None] * y.astype(jnp.float32)
+    return out.astype(x.dtype)
+
+
+IMPLS = {"tiled": tiled, "ragged_dot": ragged_dot, "capacity": capacity, "dense": dense}
+
+
+def resolve_impl(cfg: MoEConfig, platform: str | None = None) -> str:
+    """The implementation `moe.impl` names, with `auto` chosen per platform and mode."""
+    if cfg.impl != "auto":
+        return cfg.impl
+    if not cfg.dropless:
+        return "capacity"
+    platform = platform or jax.default_backend()
+    return "tiled" if platform == "cpu" else "ragged_dot"
