@@ -6,10 +6,11 @@ PY := $(VENV)/bin/python
 
 .PHONY: train test lint format bench clean
 
-$(VENV)/.runtime: requirements.txt
+$(VENV)/.runtime: requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet --no-deps -e .
 	touch $@
 
 $(VENV)/.dev: $(VENV)/.runtime requirements-dev.txt

@@ -115,17 +115,29 @@ def load(config: ml_collections.ConfigDict | dict[str, Any]) -> Config:
     kwargs = {}
     for field in dataclasses.fields(Config):
         cls = {"model": ModelConfig, "moe": MoEConfig, "train": TrainConfig}[field.name]
-        values = dict(raw.get(field.name, {}))
+        values = raw.get(field.name, {})
+        if not isinstance(values, dict):
+            raise ValueError(f"config section {field.name!r} must be a mapping of settings")
         names = {f.name for f in dataclasses.fields(cls)}
         bad = sorted(set(values) - names)
         if bad:
             raise ValueError(
                 f"unknown setting {field.name}.{bad[0]}; valid settings: {sorted(names)}"
             )
+        for name, value in values.items():
+            _check_type(f"{field.name}.{name}", value, getattr(cls(), name))
         kwargs[field.name] = cls(**values)
     result = Config(**kwargs)
     validate(result)
     return result
+
+
+def _check_type(setting: str, value: Any, default: Any) -> None:
+    """Settings keep the type of their default (an int may stand for a float)."""
+    expected = type(default)
+    ok = isinstance(value, expected) and not (expected is int and isinstance(value, bool))
+    ok = ok or (expected is float and isinstance(value, int) and not isinstance(value, bool))
+    _check(ok, setting, value, f"must be of type {expected.__name__}")
 
 
 def _check(ok: bool, setting: str, value: Any, valid: str) -> None:

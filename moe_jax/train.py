@@ -50,7 +50,10 @@ def train(config: config_lib.Config, log=print) -> list[dict[str, float]]:
 
 def main(argv: list[str]) -> None:
     del argv
-    config = config_lib.load(_CONFIG.value)
+    try:
+        config = config_lib.load(_CONFIG.value)
+    except ValueError as error:
+        raise SystemExit(f"error: {error}") from None
     print("moe_jax: minimal training loop on synthetic tokens (the full trainer comes next).")
     train(config)
 

@@ -1,0 +1,125 @@
+"""The MoE block equals an independent per-expert reference, for every `moe.impl`."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from moe_jax.config import MoEConfig
+from moe_jax.moe.block import MoE
+from tests import reference
+
+DIM, BATCH, SEQ = 16, 2, 24
+
+ROUTING_CASES = {
+    "softmax_top1": MoEConfig(num_experts=8, top_k=1, renormalize=False),
+    "softmax_top2": MoEConfig(num_experts=8, top_k=2),
+    "softmax_top6_no_renorm": MoEConfig(num_experts=8, top_k=6, renormalize=False),
+    "sigmoid_top2": MoEConfig(num_experts=8, top_k=2, score_fn="sigmoid", routed_scaling=2.5),
+    "sigmoid_top6_no_renorm": MoEConfig(
+        num_experts=8, top_k=6, score_fn="sigmoid", renormalize=False
+    ),
+    "shared_experts": MoEConfig(num_experts=8, top_k=2, num_shared_experts=2, shared_mlp_dim=8),
+    "group_limited": MoEConfig(
+        num_experts=12, top_k=4, score_fn="sigmoid", n_groups=4, topk_groups=2
+    ),
+    "capacity_drops_top2": MoEConfig(num_experts=8, top_k=2, capacity_factor=0.5),
+    "capacity_drops_sigmoid_top6": MoEConfig(
+        num_experts=8, top_k=6, score_fn="sigmoid", capacity_factor=0.8
+    ),
+}
+IMPLS = ("tiled", "ragged_dot", "capacity", "dense")
+
+
+def _config(case: str, impl: str) -> MoEConfig:
+    cfg = dataclasses.replace(ROUTING_CASES[case], impl=impl, expert_mlp_dim=12, tile_size=4)
+    if impl == "capacity" and cfg.dropless:
+        # Capacity mode that can hold every assignment: the same routing, no drops.
+        cfg = dataclasses.replace(cfg, capacity_factor=cfg.num_experts / cfg.top_k)
+    return cfg
+
+
+def _block(cfg: MoEConfig):
+    block = MoE(DIM, cfg, rngs=nnx.Rngs(0))
+    num_experts = cfg.num_experts
+    block.bias[...] = 0.05 * jax.random.normal(jax.random.key(7), (num_experts,))
+    return block
+
+
+def _params(block: MoE) -> dict:
+    params = {name: getattr(block, name)[...] for name in ("router", "gate", "up", "down")}
+    if block.shared is not None:
+        for name in ("gate", "up", "down"):
+            params[f"shared_{name}"] = getattr(block.shared, name)[...]
+    return params
+
+
+def _as_state(template: nnx.State, params: dict) -> nnx.State:
+    """The parameter state of a block with its arrays taken from `params`."""
+
+    def pick(path, _):
+        keys = [str(getattr(p, "key", getattr(p, "name", ""))) for p in path]
+        return params["_".join(k for k in keys if k not in ("", "value", "raw_value"))]
+
+    return jax.tree_util.tree_map_with_path(pick, template)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", sorted(ROUTING_CASES))
+def test_block_matches_reference(case: str, impl: str):
+    cfg = _config(case, impl)
+    block = _block(cfg)
+    params = _params(block)
+    bias = block.bias[...]
+    keys = jax.random.split(jax.random.key(1), 2)
+    x = jax.random.normal(keys[0], (BATCH, SEQ, DIM))
+    cotangent = jax.random.normal(keys[1], (BATCH, SEQ, DIM))
+
+    ref_y, chosen, keep = reference.moe_forward(x, params, bias, cfg)
+    dropped = 1.0 - keep.mean()
+    if ROUTING_CASES[case].capacity_factor > 0:
+        assert dropped > 0.05, "capacity cases must really drop assignments"
+
+    graphdef, param_state, rest = nnx.split(block, nnx.Param, ...)
+
+    def block_loss(params, x):
+        y, stats = nnx.merge(graphdef, _as_state(param_state, params), rest)(x)
+        return jnp.sum(y * cotangent), (y, stats)
+
+    def ref_loss(params, x):
+        y, _, _ = reference.moe_forward(x, params, bias, cfg, keep=keep)
+        return jnp.sum(y * cotangent)
+
+    grads, (y, stats) = jax.grad(block_loss, argnums=(0, 1), has_aux=True)(params, x)
+    ref_grads = jax.grad(ref_loss, argnums=(0, 1))(params, x)
+
+    np.testing.assert_allclose(y, ref_y, rtol=1e-5, atol=1e-5 * float(jnp.abs(ref_y).max()))
+    for name, got, want in [("x", grads[1], ref_grads[1])] + [
+        (k, grads[0][k], ref_grads[0][k]) for k in params
+    ]:
+        scale = float(jnp.abs(want).max())
+        assert scale > 0, name
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * scale, err_msg=name)
+
+    load = np.bincount(np.asarray(chosen).reshape(-1), minlength=cfg.num_experts)
+    np.testing.assert_array_equal(stats.load, load)
+    np.testing.assert_allclose(stats.dropped_fraction, dropped, atol=1e-7)
+
+
+def test_bias_changes_selection_not_weights():
+    """A large bias on one expert makes every token choose it, at its unbiased weight."""
+    cfg = MoEConfig(num_experts=8, top_k=2, renormalize=False, impl="dense", expert_mlp_dim=12)
+    block = _block(cfg)
+    block.bias[...] = jnp.zeros(8).at[3].set(100.0)
+    x = jax.random.normal(jax.random.key(2), (BATCH, SEQ, DIM))
+    _, stats = block(x)
+    assert stats.load[3] == BATCH * SEQ
+    params = _params(block)
+    ref_y, chosen, _ = reference.moe_forward(x, params, block.bias[...], cfg)
+    assert (np.asarray(chosen) == 3).any(-1).all()
+    np.testing.assert_allclose(block(x)[0], ref_y, rtol=1e-5, atol=1e-6)
