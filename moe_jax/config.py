@@ -36,7 +36,7 @@ class MoEConfig:
     topk_groups: int = 1
     capacity_factor: float = 0.0  # 0 = dropless
     impl: str = "auto"
-    tile_size: int = 128  # rows per tile of the `tiled` grouped matmul
+    tile_size: int = 0  # rows per tile of the `tiled` grouped matmul; 0 = auto
     aux_loss_coef: float = 0.01
     seq_aux_loss_coef: float = 0.0
     z_loss_coef: float = 0.001
@@ -45,6 +45,14 @@ class MoEConfig:
     @property
     def dropless(self) -> bool:
         return self.capacity_factor == 0.0
+
+    def tile(self, num_tokens: int) -> int:
+        """Rows per tile: `tile_size`, or by default a power of two in [128, 512]
+        near an eighth of an expert's mean rows (padding stays small, tiles big)."""
+        if self.tile_size:
+            return self.tile_size
+        rows_per_expert = num_tokens * self.top_k / self.num_experts
+        return int(min(512, max(128, 2 ** math.floor(math.log2(max(rows_per_expert / 8, 1))))))
 
     def capacity(self, num_tokens: int) -> int:
         """Slots per expert for `num_tokens` tokens in capacity mode."""
@@ -180,7 +188,8 @@ def validate(config: Config) -> None:
     )
 
     _positive(e, "moe", "num_experts", "top_k", "expert_mlp_dim", "shared_mlp_dim")
-    _positive(e, "moe", "n_groups", "topk_groups", "tile_size", "routed_scaling")
+    _positive(e, "moe", "n_groups", "topk_groups", "routed_scaling")
+    _check(e.tile_size >= 0, "moe.tile_size", e.tile_size, "must be >= 0 (0 picks it by size)")
     _check(
         e.top_k <= e.num_experts,
         "moe.top_k",

@@ -91,5 +91,5 @@ def train_step(graphdef, config: Config, state: TrainState, batch):
     if "load" in metrics and config.moe.bias_update_rate > 0:
         rate = config.moe.bias_update_rate
         biases = jax.tree.map(lambda b: update_bias(b, metrics["load"], rate), biases)
-    metrics["grad_norm"] = optax.global_norm(grads)
+    metrics["grad_norm"] = optax.tree.norm(grads)
     return TrainState(state.step + 1, params, biases, opt_state), metrics

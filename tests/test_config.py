@@ -51,7 +51,7 @@ BAD_CONFIGS = [
     ),
     ("vocab_zero", {"model.vocab_size": 0}, "model.vocab_size"),
     ("vocab_negative", {"model.vocab_size": -5}, "model.vocab_size"),
-    ("tile_size_zero", {"moe.tile_size": 0}, "moe.tile_size"),
+    ("tile_size_negative", {"moe.tile_size": -1}, "moe.tile_size"),
     ("negative_aux_loss", {"moe.aux_loss_coef": -0.01}, "moe.aux_loss_coef"),
     ("negative_seq_aux_loss", {"moe.seq_aux_loss_coef": -0.01}, "moe.seq_aux_loss_coef"),
     ("negative_z_loss", {"moe.z_loss_coef": -1e-3}, "moe.z_loss_coef"),

@@ -37,10 +37,9 @@ def _swiglu(x: jax.Array, w: ExpertWeights, gmm: Gmm) -> jax.Array:
 
 def tiled(x: jax.Array, routing: Routing, w: ExpertWeights, cfg: MoEConfig) -> jax.Array:
     """Sorted, tile-padded rows and a loop of per-tile matmuls (fast on CPU)."""
-    layout = dsp.sorted_layout(routing, cfg.num_experts, cfg.tile_size)
-    gmm = lambda rows, weight: tiled_gmm(
-        rows, weight, layout.tile_expert, layout.num_tiles, cfg.tile_size
-    )
+    tile = cfg.tile(x.shape[0])
+    layout = dsp.sorted_layout(routing, cfg.num_experts, tile)
+    gmm = lambda rows, weight: tiled_gmm(rows, weight, layout.tile_expert, layout.num_tiles, tile)
     return dsp.combine(_swiglu(dsp.dispatch(x, layout), w, gmm), layout, routing)
 
 
