@@ -86,19 +86,44 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """The minimal training loop (the full trainer extends this)."""
+    """Optimisation, evaluation, logging and checkpoint cadence."""
 
     steps: int = 200
-    batch_size: int = 8
+    batch_size: int = 8  # global batch, in sequences
     seq_len: int = 64
+    grad_accum: int = 1  # micro-batches per step (batch_size must divide evenly)
     learning_rate: float = 3e-3
+    schedule: str = "cosine"  # decay after warmup: cosine or linear
+    min_lr_ratio: float = 0.1  # final learning rate / peak
     warmup_steps: int = 10
     weight_decay: float = 0.1
+    decay_norms: bool = False  # apply weight decay to norm scales
+    decay_embeddings: bool = True  # apply weight decay to the embedding table
     b1: float = 0.9
     b2: float = 0.95
-    grad_clip: float = 1.0
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # global-norm clipping; 0 disables it
     seed: int = 0
     log_every: int = 10
+    eval_every: int = 100  # 0 evaluates only at the end
+    eval_batches: int = 4
+    checkpoint_every: int = 100  # 0 saves only at the end
+    keep_checkpoints: int = 3
+    max_bad_steps: int = 5  # consecutive non-finite losses before the run stops
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where tokens come from."""
+
+    source: str = "stdlib"  # stdlib (embedded corpus), tokens (prepared files) or synthetic
+    path: str = ""  # directory written by `python -m moe_jax.data.prepare` (source=tokens)
+    val_fraction: float = 0.05  # share of stdlib files held out for validation
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileConfig:
+    steps: str = ""  # "start,stop": trace steps [start, stop) with jax.profiler
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +131,19 @@ class Config:
     model: ModelConfig = ModelConfig()
     moe: MoEConfig = MoEConfig()
     train: TrainConfig = TrainConfig()
+    data: DataConfig = DataConfig()
+    profile: ProfileConfig = ProfileConfig()
+
+
+SECTIONS = {
+    "model": ModelConfig,
+    "moe": MoEConfig,
+    "train": TrainConfig,
+    "data": DataConfig,
+    "profile": ProfileConfig,
+}
+DATA_SOURCES = ("stdlib", "tokens", "synthetic")
+SCHEDULES = ("cosine", "linear")
 
 
 def to_config_dict(config: Config) -> ml_collections.ConfigDict:
@@ -122,7 +160,7 @@ def load(config: ml_collections.ConfigDict | dict[str, Any]) -> Config:
         raise ValueError(f"unknown config section {unknown[0]!r}; valid: {sorted(sections)}")
     kwargs = {}
     for field in dataclasses.fields(Config):
-        cls = {"model": ModelConfig, "moe": MoEConfig, "train": TrainConfig}[field.name]
+        cls = SECTIONS[field.name]
         values = raw.get(field.name, {})
         if not isinstance(values, dict):
             raise ValueError(f"config section {field.name!r} must be a mapping of settings")
@@ -237,8 +275,39 @@ def validate(config: Config) -> None:
         _check(getattr(e, name) >= 0, f"moe.{name}", getattr(e, name), "must be >= 0")
 
     _positive(t, "train", "steps", "batch_size", "seq_len", "learning_rate", "log_every")
-    _check(t.warmup_steps >= 0, "train.warmup_steps", t.warmup_steps, "must be >= 0")
-    _check(t.weight_decay >= 0, "train.weight_decay", t.weight_decay, "must be >= 0")
+    _positive(t, "train", "grad_accum", "eval_batches", "keep_checkpoints", "max_bad_steps")
+    _check(
+        t.batch_size % t.grad_accum == 0,
+        "train.grad_accum",
+        t.grad_accum,
+        f"must divide train.batch_size={t.batch_size}",
+    )
+    _check(t.schedule in SCHEDULES, "train.schedule", t.schedule, f"valid: {SCHEDULES}")
+    _check(0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio", t.min_lr_ratio, "must be in [0, 1]")
+    for name in ("warmup_steps", "weight_decay", "eval_every", "checkpoint_every", "eps"):
+        _check(getattr(t, name) >= 0, f"train.{name}", getattr(t, name), "must be >= 0")
     _check(t.grad_clip >= 0, "train.grad_clip", t.grad_clip, "must be >= 0 (0 disables)")
     for name in ("b1", "b2"):
         _check(0 <= getattr(t, name) < 1, f"train.{name}", getattr(t, name), "must be in [0, 1)")
+
+    d = config.data
+    _check(d.source in DATA_SOURCES, "data.source", d.source, f"valid: {DATA_SOURCES}")
+    _check(
+        d.source != "tokens" or bool(d.path),
+        "data.path",
+        d.path,
+        "data.source='tokens' needs the directory written by moe_jax.data.prepare",
+    )
+    _check(0 < d.val_fraction < 1, "data.val_fraction", d.val_fraction, "must be in (0, 1)")
+    profile_steps(config.profile)
+
+
+def profile_steps(profile: ProfileConfig) -> tuple[int, int] | None:
+    """The [start, stop) steps to trace, or None when profiling is off."""
+    if not profile.steps:
+        return None
+    parts = profile.steps.split(",")
+    ok = len(parts) == 2 and all(p.strip().isdigit() for p in parts)
+    ok = ok and 0 < int(parts[0]) < int(parts[1])
+    _check(ok, "profile.steps", profile.steps, "must be 'start,stop' with 0 < start < stop")
+    return int(parts[0]), int(parts[1])
