@@ -66,11 +66,11 @@ class ModelConfig:
 
     vocab_size: int = 259
     num_layers: int = 2
-    embed_dim: int = 64
+    embed_dim: int = 128
     num_heads: int = 4
     num_kv_heads: int = 2
-    head_dim: int = 16
-    mlp_dim: int = 128  # width of the dense SwiGLU layers
+    head_dim: int = 32
+    mlp_dim: int = 256  # width of the dense SwiGLU layers
     first_k_dense: int = 0
     moe_every: int = 1  # after the dense prefix, every moe_every-th layer is MoE
     tie_embeddings: bool = False
@@ -88,14 +88,14 @@ class ModelConfig:
 class TrainConfig:
     """Optimisation, evaluation, logging and checkpoint cadence."""
 
-    steps: int = 200
-    batch_size: int = 8  # global batch, in sequences
-    seq_len: int = 64
+    steps: int = 300
+    batch_size: int = 16  # global batch, in sequences
+    seq_len: int = 128
     grad_accum: int = 1  # micro-batches per step (batch_size must divide evenly)
     learning_rate: float = 3e-3
     schedule: str = "cosine"  # decay after warmup: cosine or linear
     min_lr_ratio: float = 0.1  # final learning rate / peak
-    warmup_steps: int = 10
+    warmup_steps: int = 30
     weight_decay: float = 0.1
     decay_norms: bool = False  # apply weight decay to norm scales
     decay_embeddings: bool = True  # apply weight decay to the embedding table

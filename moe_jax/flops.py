@@ -39,3 +39,17 @@ def flops_per_token(cfg: ModelConfig, moe: MoEConfig, seq_len: int) -> float:
     mean_context = (seq_len + 1) / 2
     attention = 3 * 4 * cfg.num_heads * cfg.head_dim * mean_context * cfg.num_layers
     return 6.0 * weights + attention
+
+
+# Dense bf16 peak TFLOP/s per chip (the paper's Table 4 for H800 / A100 / H20;
+# vendor datasheets for the rest). Matched against `device.device_kind`.
+PEAK_TFLOPS = {"H800": 989.0, "H100": 989.0, "H200": 989.0, "H20": 148.0, "A100": 312.0}
+
+
+def peak_flops(device) -> float | None:
+    """Peak FLOP/s of `device`, or None where no public figure applies (CPUs)."""
+    kind = getattr(device, "device_kind", "")
+    for name, tflops in sorted(PEAK_TFLOPS.items(), key=lambda item: -len(item[0])):
+        if name in kind:
+            return tflops * 1e12
+    return None

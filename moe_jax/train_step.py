@@ -1,4 +1,5 @@
-"""One jitted training step: loss, gradients, AdamW update, router-bias update.
+"""One jitted training step: loss, gradients (accumulated over micro-batches),
+AdamW update, router-bias update, and a skip when the loss is not finite.
 
 The model is split into a static graph and two state trees: `params`
 (trained by the optimizer) and `biases` (the routers' balancing biases,
@@ -27,15 +28,44 @@ class TrainState:
     params: nnx.State
     biases: nnx.State
     opt_state: optax.OptState
+    rng: jax.Array  # raw uint32 key data, so checkpoints hold plain arrays
+
+
+def learning_rate(cfg: TrainConfig) -> optax.Schedule:
+    """Linear warmup to the peak, then cosine or linear decay to min_lr_ratio * peak."""
+    peak, floor = cfg.learning_rate, cfg.learning_rate * cfg.min_lr_ratio
+    warmup = optax.linear_schedule(0.0, peak, max(cfg.warmup_steps, 1))
+    decay_steps = max(cfg.steps - cfg.warmup_steps, 1)
+    if cfg.schedule == "cosine":
+        decay = optax.cosine_decay_schedule(peak, decay_steps, alpha=cfg.min_lr_ratio)
+    else:
+        decay = optax.linear_schedule(peak, floor, decay_steps)
+    return optax.join_schedules([warmup, decay], [cfg.warmup_steps])
+
+
+def decay_mask(cfg: TrainConfig):
+    """Weight decay on matrices; norm scales and the embedding table as configured."""
+
+    def decays(path, leaf) -> bool:
+        names = {str(getattr(p, "key", getattr(p, "name", ""))) for p in path}
+        if "scale" in names:
+            return cfg.decay_norms
+        if "table" in names:
+            return cfg.decay_embeddings
+        return leaf.ndim >= 2
+
+    return lambda params: jax.tree_util.tree_map_with_path(decays, params)
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    """AdamW with linear warmup and cosine decay; decay only on matrices."""
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, cfg.learning_rate, max(cfg.warmup_steps, 1), max(cfg.steps, cfg.warmup_steps + 1)
+    adamw = optax.adamw(
+        learning_rate(cfg),
+        cfg.b1,
+        cfg.b2,
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        mask=decay_mask(cfg),
     )
-    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
-    adamw = optax.adamw(schedule, cfg.b1, cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask)
     if cfg.grad_clip > 0:
         return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw)
     return adamw
@@ -51,7 +81,8 @@ def init_state(config: Config, model: Transformer | None = None):
     model = model if model is not None else build_model(config)
     graphdef, params, biases = nnx.split(model, nnx.Param, RouterBias)
     opt_state = make_optimizer(config.train).init(params)
-    return graphdef, TrainState(jnp.zeros((), jnp.int32), params, biases, opt_state)
+    rng = jax.random.key_data(jax.random.key(config.train.seed))
+    return graphdef, TrainState(jnp.zeros((), jnp.int32), params, biases, opt_state, rng)
 
 
 def loss_fn(params, biases, graphdef, batch, config: Config):
@@ -67,7 +98,6 @@ def loss_fn(params, biases, graphdef, batch, config: Config):
             seq_aux_loss=stats.seq_aux_loss.sum(),
             z_loss=stats.z_loss.sum(),
             load=stats.load,
-            expert_load_max_over_mean=stats.max_over_mean(),
             dropped_fraction=stats.dropped_fraction.mean(),
         )
         loss = (
@@ -80,10 +110,36 @@ def loss_fn(params, biases, graphdef, batch, config: Config):
     return loss, metrics
 
 
-def train_step(graphdef, config: Config, state: TrainState, batch):
-    """Returns the next state and this step's metrics."""
+def _gradients(state: TrainState, graphdef, batch, config: Config):
+    """Mean loss metrics and gradients over `grad_accum` micro-batches."""
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-    (_, metrics), grads = grad_fn(state.params, state.biases, graphdef, batch, config)
+    micro = config.train.grad_accum
+    if micro == 1:
+        (_, metrics), grads = grad_fn(state.params, state.biases, graphdef, batch, config)
+        return metrics, grads
+    split = jax.tree.map(lambda x: x.reshape(micro, x.shape[0] // micro, *x.shape[1:]), batch)
+
+    def accumulate(total, micro_batch):
+        (_, metrics), grads = grad_fn(state.params, state.biases, graphdef, micro_batch, config)
+        return jax.tree.map(jnp.add, total, (metrics, grads)), None
+
+    first = jax.tree.map(lambda x: x[0], split)
+    shapes = jax.eval_shape(lambda: grad_fn(state.params, state.biases, graphdef, first, config))
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (shapes[0][1], shapes[1]))
+    total, _ = jax.lax.scan(accumulate, zeros, split)
+    metrics, grads = jax.tree.map(lambda x: x / micro, total)
+    if "load" in metrics:
+        metrics["load"] = metrics["load"] * micro  # loads add up over the whole batch
+    return metrics, grads
+
+
+def train_step(graphdef, config: Config, state: TrainState, batch):
+    """Returns the next state and this step's metrics.
+
+    A step whose loss or gradient norm is not finite changes nothing but the
+    step counter and reports `skipped=1`.
+    """
+    metrics, grads = _gradients(state, graphdef, batch, config)
     tx = make_optimizer(config.train)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
@@ -91,5 +147,22 @@ def train_step(graphdef, config: Config, state: TrainState, batch):
     if "load" in metrics and config.moe.bias_update_rate > 0:
         rate = config.moe.bias_update_rate
         biases = jax.tree.map(lambda b: update_bias(b, metrics["load"], rate), biases)
-    metrics["grad_norm"] = optax.tree.norm(grads)
-    return TrainState(state.step + 1, params, biases, opt_state), metrics
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+    params = keep(params, state.params)
+    opt_state = keep(opt_state, state.opt_state)
+    biases = keep(biases, state.biases)
+    rng = jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step))
+    metrics.update(
+        grad_norm=grad_norm,
+        lr=learning_rate(config.train)(state.step),
+        skipped=1 - finite.astype(jnp.int32),
+    )
+    return TrainState(state.step + 1, params, biases, opt_state, rng), metrics
+
+
+def eval_step(graphdef, config: Config, state: TrainState, batch) -> jax.Array:
+    """Mean next-token cross-entropy (nats per token) on one batch."""
+    _, metrics = loss_fn(state.params, state.biases, graphdef, batch, config)
+    return metrics["lm_loss"]

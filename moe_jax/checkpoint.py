@@ -1,0 +1,108 @@
+"""Checkpoints with orbax: asynchronous, atomic, the last K kept, resumed automatically.
+
+A checkpoint holds the whole `TrainState` (params, optimizer state, step,
+RNG, router biases), the data iterator's state and the resolved config.
+Orbax writes each step into a temporary directory and renames it only once
+complete, so a crash mid-save leaves the previous checkpoint as the latest.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+# Settings that change the shapes or meaning of saved parameters.
+ARCHITECTURE_SECTIONS = ("model", "moe")
+ARCHITECTURE_EXEMPT = {"moe.impl", "moe.tile_size", "model.dtype", "model.remat"}
+
+
+def _flat(config: dict[str, Any]) -> dict[str, Any]:
+    return {
+        f"{section}.{key}": value
+        for section in ARCHITECTURE_SECTIONS
+        for key, value in config.get(section, {}).items()
+        if f"{section}.{key}" not in ARCHITECTURE_EXEMPT
+    }
+
+
+class Checkpointer:
+    """The checkpoints of one run directory."""
+
+    def __init__(self, directory: Path, keep: int, save_every: int):
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep,
+            save_interval_steps=max(save_every, 1),
+            enable_async_checkpointing=True,
+            create=False,
+        )
+        self.directory = Path(directory).absolute()
+        self._manager = None
+        self._options = options
+
+    @property
+    def manager(self) -> ocp.CheckpointManager:
+        if self._manager is None:
+            self._manager = ocp.CheckpointManager(
+                self.directory, options=self._options, item_names=("state", "data", "config")
+            )
+        return self._manager
+
+    def latest_step(self) -> int | None:
+        if not self.directory.exists():
+            return None
+        return self.manager.latest_step()
+
+    def check_compatible(self, config: dict[str, Any]) -> None:
+        """Refuses to resume a checkpoint written for a different architecture."""
+        step = self.latest_step()
+        if step is None:
+            return
+        saved_path = self.directory / str(step) / "config" / "metadata"
+        saved = json.loads(saved_path.read_text()) if saved_path.exists() else {}
+        ours, theirs = _flat(config), _flat(saved)
+        for key in sorted(set(ours) | set(theirs)):
+            if ours.get(key) != theirs.get(key):
+                raise ValueError(
+                    f"{self.directory} holds a checkpoint (step {step}) of another model: "
+                    f"{key}={theirs.get(key)!r} there, {ours.get(key)!r} here; "
+                    "use a new --workdir or the matching config"
+                )
+
+    def save(self, step: int, state, data_state: dict, config: dict, force: bool = False) -> bool:
+        """Starts an asynchronous save; returns whether one was started."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        if step in self.manager.all_steps():
+            return False
+        return self.manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state),
+                data=ocp.args.JsonSave(data_state),
+                config=ocp.args.JsonSave(config),
+            ),
+            force=force,
+        )
+
+    def restore(self, step: int, like):
+        """(state, data_state) of `step`, with `like`'s structure, shapes and shardings."""
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
+        restored = self.manager.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()
+            ),
+        )
+        return restored["state"], restored["data"]
+
+    def wait(self) -> None:
+        if self._manager is not None:
+            self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        if self._manager is not None:
+            self._manager.wait_until_finished()
+            self._manager.close()

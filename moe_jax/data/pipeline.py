@@ -1,0 +1,208 @@
+"""Training and evaluation batches: packed windows of a token stream, served by grain.
+
+Every process draws the same global batch of window indices and loads only
+its own rows, so the global batch does not depend on the process count, and
+the iterator state (a batch counter) restores exactly on any number of hosts.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import grain
+import jax
+import numpy as np
+
+from moe_jax.config import Config, DataConfig
+from moe_jax.data.corpus import stdlib_documents
+from moe_jax.data.synthetic import recurrence_tokens
+from moe_jax.data.token_files import open_split
+from moe_jax.data.tokenizer import ByteTokenizer
+
+_READ_OPTIONS = grain.ReadOptions(num_threads=2, prefetch_buffer_size=4)
+_SPLIT_CODES = {"train": 0, "val": 1}
+
+
+@functools.lru_cache(maxsize=4)
+def _stdlib_tokens(split: str, val_fraction: float) -> np.ndarray:
+    """Byte ids of each stdlib file followed by EOS, concatenated (cached: read at each start)."""
+    encoded = [doc.encode("utf-8") for doc in stdlib_documents(split, val_fraction)]
+    tokens = np.empty(sum(len(b) + 1 for b in encoded), np.uint16)
+    pos = 0
+    for data in encoded:
+        tokens[pos : pos + len(data)] = np.frombuffer(data, np.uint8)
+        tokens[pos + len(data)] = ByteTokenizer.eos_id
+        pos += len(data) + 1
+    tokens.flags.writeable = False
+    return tokens
+
+
+def token_stream(data_cfg: DataConfig, split: str, vocab_size: int) -> tuple[np.ndarray, str]:
+    """The 1-D token ids of one split and the name of the tokenizer that made them."""
+    if split not in _SPLIT_CODES:
+        raise ValueError(f"split={split!r} is invalid: valid splits are {tuple(_SPLIT_CODES)}")
+    if data_cfg.source == "stdlib":
+        if vocab_size < ByteTokenizer.vocab_size:
+            raise ValueError(
+                f"model.vocab_size={vocab_size} is too small for data.source='stdlib': "
+                f"the byte tokenizer needs {ByteTokenizer.vocab_size}"
+            )
+        return _stdlib_tokens(split, data_cfg.val_fraction), ByteTokenizer.name
+    if data_cfg.source == "tokens":
+        tokens, meta = open_split(data_cfg.path, split)
+        if meta["vocab_size"] > vocab_size:
+            raise ValueError(
+                f"model.vocab_size={vocab_size} is smaller than the vocab_size "
+                f"{meta['vocab_size']} of data.path={data_cfg.path}"
+            )
+        return tokens, str(meta.get("tokenizer", ""))
+    raise ValueError(f"data.source={data_cfg.source!r} has no token stream (valid: stdlib, tokens)")
+
+
+class PackedSequences:
+    """Random-access source of non-overlapping windows of seq_len + 1 tokens (int32)."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, name: str = "the split") -> None:
+        window = seq_len + 1
+        if len(tokens) < window:
+            raise ValueError(
+                f"{name} has {len(tokens)} tokens, fewer than one sequence of "
+                f"train.seq_len={seq_len} + 1"
+            )
+        self._tokens = tokens
+        self._window = window
+        self._len = len(tokens) // window
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        index = int(index)
+        if not 0 <= index < self._len:
+            raise IndexError(f"window {index} out of range [0, {self._len})")
+        start = index * self._window
+        return np.asarray(self._tokens[start : start + self._window], np.int32)
+
+    def rows(self, indices: np.ndarray) -> np.ndarray:
+        """The windows at `indices`, stacked into [len(indices), seq_len + 1]."""
+        return np.stack([self[i] for i in indices])
+
+
+def _pairs(windows: np.ndarray) -> dict[str, np.ndarray]:
+    return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
+
+
+def _local_rows(source: PackedSequences, lo: int, hi: int, indices: np.ndarray) -> dict:
+    return _pairs(source.rows(indices[lo:hi]))
+
+
+def _synthetic_rows(config: Config, split: str, lo: int, hi: int, index: int, _: Any) -> dict:
+    """Batch `index` of the synthetic stream, a pure function of (seed, split, index)."""
+    t = config.train
+    rng = np.random.default_rng([t.seed % 2**32, _SPLIT_CODES[split], index])
+    tokens = recurrence_tokens(t.batch_size, t.seq_len + 1, config.model.vocab_size, rng)
+    return _pairs(tokens[lo:hi])
+
+
+class Batches:
+    """An endless iterator of {'inputs', 'targets'} with a JSON-serialisable state."""
+
+    def __init__(self, dataset: grain.IterDataset, identity: dict[str, Any]) -> None:
+        self._iter = iter(dataset)
+        self._identity = identity
+
+    def __iter__(self) -> Batches:
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        return next(self._iter)
+
+    def get_state(self) -> dict[str, Any]:
+        """Where the stream is, plus what it is a stream of (checked on restore)."""
+        return {**self._identity, "position": self._iter.get_state()}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Continue exactly where the iterator that produced `state` would have."""
+        if not isinstance(state, dict) or "position" not in state:
+            raise ValueError(
+                f"data iterator state must be a dict from get_state(), got {state!r:.80}"
+            )
+        for key, value in self._identity.items():
+            if state.get(key) != value:
+                raise ValueError(
+                    f"data iterator state has {key}={state.get(key)!r} but this run has "
+                    f"{value!r}; resume with the same data and train.batch_size/seq_len/seed"
+                )
+        self._iter.set_state(state["position"])
+
+
+def make_iterator(
+    config: Config,
+    split: str,
+    process_index: int = 0,
+    process_count: int = 1,
+    shuffle: bool = True,
+) -> Batches:
+    """This process's rows [process_index * local_b, +local_b) of each global batch.
+
+    Opens and checks the data now, so bad inputs fail before anything compiles.
+    """
+    t, d = config.train, config.data
+    if split not in _SPLIT_CODES:
+        raise ValueError(f"split={split!r} is invalid: valid splits are {tuple(_SPLIT_CODES)}")
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"process_index={process_index} is not in [0, {process_count})")
+    if t.batch_size % process_count:
+        raise ValueError(
+            f"train.batch_size={t.batch_size} does not divide into {process_count} processes"
+        )
+    local_b = t.batch_size // process_count
+    lo, hi = process_index * local_b, (process_index + 1) * local_b
+    identity: dict[str, Any] = {
+        "source": d.source,
+        "split": split,
+        "batch_size": t.batch_size,
+        "seq_len": t.seq_len,
+        "seed": t.seed,
+        "shuffle": shuffle,
+    }
+    if d.source == "synthetic":
+        ds = grain.MapDataset.range(1).repeat(None)
+        ds = ds.map_with_index(functools.partial(_synthetic_rows, config, split, lo, hi))
+        return Batches(ds.to_iter_dataset(_READ_OPTIONS), identity)
+    tokens, _ = token_stream(d, split, config.model.vocab_size)
+    where = f"data.path={d.path}" if d.source == "tokens" else f"data.source={d.source!r}"
+    source = PackedSequences(tokens, t.seq_len, name=f"the {split} split of {where}")
+    identity["num_sequences"] = len(source)
+    ds = grain.MapDataset.range(len(source))
+    if shuffle:
+        ds = ds.shuffle(seed=t.seed % 2**32)
+    ds = ds.repeat(None).batch(t.batch_size)
+    ds = ds.map(functools.partial(_local_rows, source, lo, hi))
+    return Batches(ds.to_iter_dataset(_READ_OPTIONS), identity)
+
+
+def unigram_entropy(tokens: np.ndarray) -> float:
+    """Entropy of the token frequencies in nats per token: the loss of a context-free model."""
+    flat = np.asarray(tokens).reshape(-1)
+    counts = np.zeros(1, np.int64)
+    chunk = 1 << 24  # bounded memory on large memory-mapped splits
+    for start in range(0, flat.size, chunk):
+        part = np.bincount(flat[start : start + chunk])
+        if part.size > counts.size:
+            counts = np.pad(counts, (0, part.size - counts.size))
+        counts[: part.size] += part
+    total = counts.sum()
+    if total == 0:
+        raise ValueError("unigram_entropy of an empty token array is undefined")
+    p = counts[counts > 0] / total
+    return float(-(p * np.log(p)).sum())
+
+
+def global_array(local_batch: dict[str, np.ndarray], sharding: jax.sharding.Sharding) -> dict:
+    """Each entry as one global jax.Array assembled from every process's local rows."""
+    return {
+        key: jax.make_array_from_process_local_data(sharding, value)
+        for key, value in local_batch.items()
+    }

@@ -1,0 +1,116 @@
+"""Prepared token files: flat `<split>.bin` arrays of token ids plus a `meta.json`.
+
+Memory-mapped, so a corpus larger than RAM trains without loading; every file
+is checked when opened so a corrupt or mismatched one fails before compilation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+FORMAT = "moe_jax.tokens.v1"
+DTYPES = ("uint16", "uint32")
+SPLITS = ("train", "val")
+META = "meta.json"
+PREPARE_HINT = "create it with python -m moe_jax.data.prepare"
+
+
+def dtype_for(vocab_size: int) -> str:
+    """The smallest stored dtype that holds every id of the vocabulary."""
+    return "uint16" if vocab_size <= 65535 else "uint32"
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    """Write-then-rename in the same directory, so readers never see a half-written file."""
+    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
+    # os.open rather than mkstemp, so the file gets the usual umask permissions, not 0600.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def write_split(directory: str | os.PathLike, split: str, tokens: np.ndarray) -> Path:
+    """Writes `<split>.bin` atomically; `tokens` must already have the stored dtype."""
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r} is invalid: valid splits are {SPLITS}")
+    if np.dtype(tokens.dtype).name not in DTYPES:
+        raise ValueError(f"tokens for {split}.bin have dtype {tokens.dtype}; valid: {DTYPES}")
+    path = Path(directory) / f"{split}.bin"
+    _atomic_write(path, np.ascontiguousarray(tokens).tobytes())
+    return path
+
+
+def write_meta(directory: str | os.PathLike, meta: dict[str, Any]) -> Path:
+    """Writes meta.json atomically (written last: its presence marks a finished directory)."""
+    path = Path(directory) / META
+    _atomic_write(path, (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode("utf-8"))
+    return path
+
+
+def read_meta(directory: str | os.PathLike) -> dict[str, Any]:
+    """meta.json of a prepared directory, with its format and dtype checked."""
+    path = Path(directory) / META
+    if not Path(directory).is_dir():
+        raise ValueError(f"data.path={directory} does not exist; {PREPARE_HINT}")
+    if not path.is_file():
+        raise ValueError(f"data.path={directory} has no {META}; {PREPARE_HINT}")
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(
+            f"{path} is not valid JSON ({type(err).__name__}); {PREPARE_HINT}"
+        ) from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise ValueError(f"{path} has format {found!r}; expected {FORMAT!r}")
+    if meta.get("dtype") not in DTYPES:
+        raise ValueError(f"{path} has dtype {meta.get('dtype')!r}; valid: {DTYPES}")
+    for key in ("vocab_size", "bos_id", "eos_id"):
+        if not isinstance(meta.get(key), int) or isinstance(meta.get(key), bool):
+            raise ValueError(f"{path} has no integer {key!r}")
+    return meta
+
+
+def open_split(directory: str | os.PathLike, split: str) -> tuple[np.ndarray, dict[str, Any]]:
+    """The tokens of one split as a read-only memmap, and the directory's meta."""
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r} is invalid: valid splits are {SPLITS}")
+    meta = read_meta(directory)
+    dtype = np.dtype(meta["dtype"])
+    path = Path(directory) / f"{split}.bin"
+    if not path.is_file():
+        raise ValueError(f"{path} is missing; {PREPARE_HINT}")
+    size = path.stat().st_size
+    if size % dtype.itemsize:
+        raise ValueError(
+            f"{path} has {size} bytes, not a multiple of {dtype.name}'s {dtype.itemsize}"
+        )
+    num_tokens = size // dtype.itemsize
+    splits = meta.get("splits")
+    entry = splits.get(split) if isinstance(splits, dict) else None
+    expected = entry.get("num_tokens") if isinstance(entry, dict) else None
+    if expected != num_tokens:
+        raise ValueError(
+            f"{path} holds {num_tokens} tokens but {Path(directory) / META} says {expected}"
+        )
+    if num_tokens == 0:
+        return np.zeros(0, dtype), meta  # np.memmap cannot map an empty file
+    return np.memmap(path, dtype=dtype, mode="r"), meta

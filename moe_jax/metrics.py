@@ -1,0 +1,71 @@
+"""Where a run's numbers go: `metrics.jsonl`, TensorBoard, and the terminal."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import tqdm
+from tensorboardX import SummaryWriter
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _rewrite(path: Path, rows: list[dict[str, Any]]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    os.replace(tmp, path)
+
+
+class MetricsLogger:
+    """One JSON object per line, the same scalars to TensorBoard, progress to the terminal.
+
+    On resume, lines logged after the restored step (by a run that died before
+    its next checkpoint) are dropped, so the file reads as one uninterrupted run.
+    """
+
+    def __init__(self, workdir: Path, total_steps: int, start_step: int):
+        self.path = workdir / "metrics.jsonl"
+        rows = read_rows(self.path)
+        kept = [row for row in rows if row["step"] <= start_step]
+        if len(kept) != len(rows):
+            _rewrite(self.path, kept)
+        self._file = self.path.open("a")
+        self._tb = SummaryWriter(str(workdir / "tb"))
+        self._bar = None
+        if sys.stderr.isatty():
+            self._bar = tqdm.tqdm(total=total_steps, initial=start_step, unit="step")
+
+    def write(self, row: dict[str, Any]) -> None:
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        for key, value in row.items():
+            if isinstance(value, int | float) and key != "step" and math.isfinite(value):
+                self._tb.add_scalar(key, value, row["step"])
+        summary = " ".join(
+            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+            for k, v in row.items()
+            if isinstance(v, int | float)
+        )
+        if self._bar is not None:
+            self._bar.write(summary)
+        else:
+            print(summary, flush=True)
+
+    def advance(self, steps: int = 1) -> None:
+        if self._bar is not None:
+            self._bar.update(steps)
+
+    def close(self) -> None:
+        self._file.close()
+        self._tb.close()
+        if self._bar is not None:
+            self._bar.close()

@@ -1,0 +1,176 @@
+"""The training loop: data, resume, steps, evaluation, logging, checkpoints, signals.
+
+Order of start-up matters: everything that can reject the run (config, data,
+an incompatible checkpoint in the workdir) is checked before anything is
+written to the workdir or compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import signal
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from moe_jax import config as config_lib
+from moe_jax import flops
+from moe_jax.checkpoint import Checkpointer
+from moe_jax.data import pipeline
+from moe_jax.metrics import MetricsLogger
+from moe_jax.plots import plot_run
+from moe_jax.train_step import eval_step, init_state, train_step
+
+
+class RunError(Exception):
+    """A run that cannot start or must stop, for a reason the user can fix (one line)."""
+
+
+class _StopRequest:
+    """Turns SIGTERM / SIGINT into a flag the loop checks after each step."""
+
+    def __init__(self):
+        self.signal: int | None = None
+        self._previous = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.signal = signum
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _batch_sharding() -> jax.sharding.Sharding:
+    # One device until parallel layouts arrive; the batch still goes through
+    # make_array_from_process_local_data so multi-host runs reuse this path.
+    return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+
+def _evaluate(eval_fn, state, config: config_lib.Config, sharding) -> float:
+    batches = pipeline.make_iterator(config, "val", shuffle=False)
+    losses = [
+        float(eval_fn(state, pipeline.global_array(next(batches), sharding)))
+        for _ in range(config.train.eval_batches)
+    ]
+    return float(np.mean(losses))
+
+
+def _step_row(step: int, metrics: dict[str, Any], throughput: dict[str, float]) -> dict:
+    host = jax.device_get(metrics)
+    row: dict[str, Any] = {"step": step}
+    for key in ("loss", "lm_loss", "aux_loss", "seq_aux_loss", "z_loss", "grad_norm", "lr"):
+        if key in host:
+            row[key] = float(host[key])
+    row.update(throughput)
+    if "load" in host:
+        load = np.asarray(host["load"], np.float64)  # [moe layers, experts]
+        per_layer = load.max(-1) / np.maximum(load.mean(-1), 1e-9)
+        row["expert_load_max_over_mean"] = float(per_layer.mean())
+        row["expert_load_max_over_mean_per_layer"] = [float(x) for x in per_layer]
+        row["expert_load"] = (load / load.sum(-1, keepdims=True)).round(5).tolist()
+        row["dropped_fraction"] = float(host["dropped_fraction"])
+    return row
+
+
+def run(config: config_lib.Config, workdir: str | Path) -> dict[str, Any]:
+    """Trains (or resumes) `config` in `workdir`; returns the last logged rows."""
+    workdir = Path(workdir)
+    tc = config.train
+    config_dict = dataclasses.asdict(config)
+    process, processes = jax.process_index(), jax.process_count()
+    checkpoints = Checkpointer(workdir / "checkpoints", tc.keep_checkpoints, tc.checkpoint_every)
+    try:
+        train_batches = pipeline.make_iterator(config, "train", process, processes)
+        pipeline.make_iterator(config, "val", shuffle=False)  # fails early on a bad val split
+        checkpoints.check_compatible(config_dict)
+    except ValueError as error:
+        raise RunError(str(error)) from None
+
+    graphdef, state = init_state(config)
+    start = checkpoints.latest_step() or 0
+    if start:
+        state, data_state = checkpoints.restore(start, state)
+        train_batches.set_state(data_state)
+        print(f"resumed from {checkpoints.directory / str(start)}", flush=True)
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "config.json").write_text(json.dumps(config_dict, indent=2) + "\n")
+
+    sharding = _batch_sharding()
+    step_fn = jax.jit(partial(train_step, graphdef, config))
+    eval_fn = jax.jit(partial(eval_step, graphdef, config))
+    logger = MetricsLogger(workdir, tc.steps, start)
+    tokens_per_step = tc.batch_size * tc.seq_len
+    flops_per_step = flops.flops_per_token(config.model, config.moe, tc.seq_len) * tokens_per_step
+    peak = flops.peak_flops(jax.devices()[0])
+    peak = peak * jax.device_count() if peak else None
+    profile = config_lib.profile_steps(config.profile)
+    last: dict[str, Any] = {}
+    bad_in_a_row = 0
+    save = lambda step, force=False: checkpoints.save(
+        step, state, train_batches.get_state(), config_dict, force=force
+    )
+    try:
+        with _StopRequest() as stop:
+            clock, clock_step = time.perf_counter(), start
+            for step in range(start + 1, tc.steps + 1):
+                if profile and step == profile[0]:
+                    jax.profiler.start_trace(str(workdir / "profile"))
+                batch = pipeline.global_array(next(train_batches), sharding)
+                state, metrics = step_fn(state, batch)
+                if profile and step == profile[1] - 1:
+                    jax.block_until_ready(state)
+                    jax.profiler.stop_trace()
+                logger.advance()
+                bad_in_a_row = bad_in_a_row + 1 if int(metrics["skipped"]) else 0
+                if bad_in_a_row:
+                    print(f"step {step}: non-finite loss, update skipped", flush=True)
+                if bad_in_a_row >= tc.max_bad_steps:
+                    raise RunError(
+                        f"stopping: {bad_in_a_row} steps in a row had a non-finite loss "
+                        f"(train.max_bad_steps={tc.max_bad_steps}); the last good checkpoint "
+                        f"is in {checkpoints.directory}"
+                    )
+                if step % tc.log_every == 0 or step == tc.steps:
+                    jax.block_until_ready(metrics)
+                    elapsed = time.perf_counter() - clock
+                    rate = tokens_per_step * (step - clock_step) / elapsed
+                    throughput = {"tokens_per_sec": rate, "skipped_steps_in_a_row": bad_in_a_row}
+                    throughput["mfu"] = (
+                        flops_per_step / tokens_per_step * rate / peak if peak else None
+                    )
+                    last = _step_row(step, metrics, throughput)
+                    logger.write(last)
+                    clock, clock_step = time.perf_counter(), step
+                if (tc.eval_every and step % tc.eval_every == 0) or step == tc.steps:
+                    val = {"step": step, "val_loss": _evaluate(eval_fn, state, config, sharding)}
+                    logger.write(val)
+                    last = {**last, **val}
+                    clock, clock_step = time.perf_counter(), step
+                if stop.signal is not None:
+                    save(step, force=True)
+                    checkpoints.wait()
+                    name = signal.Signals(stop.signal).name
+                    print(f"{name}: saved step {step} in {checkpoints.directory}", flush=True)
+                    return last
+                if tc.checkpoint_every and step % tc.checkpoint_every == 0:
+                    save(step)
+            if tc.steps > start:
+                save(tc.steps, force=True)
+    finally:
+        checkpoints.close()
+        logger.close()
+    pictures = plot_run(workdir)
+    print(f"outputs in {workdir}: metrics.jsonl, tb/, checkpoints/, config.json, ", end="")
+    print(", ".join(p.name for p in pictures), flush=True)
+    return last
