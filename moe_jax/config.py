@@ -88,14 +88,14 @@ class ModelConfig:
 class TrainConfig:
     """Optimisation, evaluation, logging and checkpoint cadence."""
 
-    steps: int = 300
+    steps: int = 200
     batch_size: int = 16  # global batch, in sequences
     seq_len: int = 128
     grad_accum: int = 1  # micro-batches per step (batch_size must divide evenly)
     learning_rate: float = 3e-3
     schedule: str = "cosine"  # decay after warmup: cosine or linear
     min_lr_ratio: float = 0.1  # final learning rate / peak
-    warmup_steps: int = 30
+    warmup_steps: int = 20
     weight_decay: float = 0.1
     decay_norms: bool = False  # apply weight decay to norm scales
     decay_embeddings: bool = True  # apply weight decay to the embedding table

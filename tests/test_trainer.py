@@ -1,0 +1,308 @@
+"""The trainer end to end: learning on real text, exact resume, crash safety,
+signals, bad input, non-finite losses, profiling."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from moe_jax import config as config_lib
+from moe_jax import trainer
+from moe_jax.checkpoint import Checkpointer
+from moe_jax.data import pipeline
+from moe_jax.data.token_files import write_meta, write_split
+from moe_jax.metrics import read_rows
+from moe_jax.train_step import init_state
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = [
+    "--config.model.embed_dim=32",
+    "--config.model.head_dim=8",
+    "--config.model.mlp_dim=64",
+    "--config.moe.expert_mlp_dim=32",
+    "--config.train.batch_size=4",
+    "--config.train.seq_len=32",
+    "--config.train.eval_batches=1",
+    "--config.train.log_every=1",
+]
+
+
+def tiny_config(**train) -> config_lib.Config:
+    base = config_lib.Config()
+    model = dataclasses.replace(base.model, embed_dim=32, head_dim=8, mlp_dim=64)
+    moe = dataclasses.replace(base.moe, expert_mlp_dim=32)
+    settings = {"batch_size": 4, "seq_len": 32, "eval_batches": 1, "log_every": 1, **train}
+    cfg = dataclasses.replace(
+        base, model=model, moe=moe, train=dataclasses.replace(base.train, **settings)
+    )
+    config_lib.validate(cfg)
+    return cfg
+
+
+def _env(tmp_path_factory=None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _train_cmd(workdir: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "moe_jax.train", f"--workdir={workdir}", *args]
+
+
+def _snapshot(directory: Path) -> dict[str, str]:
+    """Every file below `directory` with a hash of its bytes."""
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
+
+
+def _wait_for(predicate, timeout: float, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.time() + timeout
+    while not predicate():
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"process ended early: {proc.communicate()}")
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def _final_params(workdir: Path, config: config_lib.Config):
+    checkpoints = Checkpointer(workdir / "checkpoints", 3, 1)
+    _, like = init_state(config)
+    state, _ = checkpoints.restore(checkpoints.latest_step(), like)
+    checkpoints.close()
+    return state
+
+
+@pytest.mark.slow
+def test_default_run_learns_real_text(tmp_path: Path):
+    """`python -m moe_jax.train` with the default config: val loss far below unigram entropy."""
+    start = time.time()
+    result = subprocess.run(
+        _train_cmd(tmp_path / "run"), cwd=ROOT, env=_env(), capture_output=True, text=True
+    )
+    elapsed = time.time() - start
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert elapsed < 300, f"default run took {elapsed:.0f} s"
+    run = tmp_path / "run"
+    rows = read_rows(run / "metrics.jsonl")
+    val_losses = [r["val_loss"] for r in rows if "val_loss" in r]
+    config = config_lib.load(config_lib.to_config_dict(config_lib.Config()))
+    tokens, _ = pipeline.token_stream(config.data, "val", config.model.vocab_size)
+    entropy = pipeline.unigram_entropy(np.asarray(tokens))
+    assert val_losses[-1] < 0.75 * entropy, (val_losses, entropy)
+    required = {"step", "loss", "lm_loss", "aux_loss", "z_loss", "grad_norm", "lr"}
+    required |= {"tokens_per_sec", "mfu", "expert_load_max_over_mean", "dropped_fraction"}
+    train_rows = [r for r in rows if "loss" in r]
+    assert required <= set(train_rows[-1])
+    assert len(train_rows[-1]["expert_load_max_over_mean_per_layer"]) == 2
+    assert json.loads((run / "config.json").read_text())["train"]["steps"] == 200
+    assert list((run / "tb").glob("events.out.tfevents.*"))
+    for picture in ("loss.png", "expert_load.png"):
+        assert (run / picture).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (run / "checkpoints" / "200").is_dir()
+    assert str(run) in result.stdout
+
+
+def test_exact_resume_after_sigkill(tmp_path: Path):
+    """N steps, SIGKILL, restart to 2N == 2N uninterrupted: same params, same logged losses."""
+    n = 8
+    args = [*TINY, f"--config.train.steps={2 * n}", f"--config.train.checkpoint_every={n}"]
+    args += ["--config.train.eval_every=0"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    done = subprocess.run(_train_cmd(straight, *args), cwd=ROOT, env=_env(), capture_output=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    proc = subprocess.Popen(
+        _train_cmd(resumed, *args),
+        cwd=ROOT,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    _wait_for(lambda: (resumed / "checkpoints" / str(n)).is_dir(), 240, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (resumed / "checkpoints" / str(2 * n)).exists(), "killed too late to test resume"
+    again = subprocess.run(
+        _train_cmd(resumed, *args), cwd=ROOT, env=_env(), capture_output=True, text=True
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from {resumed / 'checkpoints' / str(n)}" in again.stdout
+
+    def losses(run):
+        return [(r["step"], r["loss"]) for r in read_rows(run / "metrics.jsonl") if "loss" in r]
+
+    assert losses(resumed) == losses(straight)
+    assert [s for s, _ in losses(resumed)] == list(range(1, 2 * n + 1))
+    config = tiny_config(steps=2 * n, checkpoint_every=n, eval_every=0)
+    a, b = _final_params(straight, config), _final_params(resumed, config)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+KILL_DURING_SAVE = textwrap.dedent(
+    """
+    import asyncio, sys
+    from orbax.checkpoint._src.path import atomicity
+
+    original = atomicity.AtomicRenameTemporaryPath.finalize
+
+    async def slow_finalize(self):
+        if self._final_path.name == "4":  # the second checkpoint hangs before its rename
+            await asyncio.sleep(600)
+        await original(self)
+
+    atomicity.AtomicRenameTemporaryPath.finalize = slow_finalize
+    from absl import app
+    from moe_jax import train
+    sys.argv = ["train", *sys.argv[1:]]
+    app.run(train.main)
+    """
+)
+
+
+def test_kill_during_async_save_resumes_from_previous(tmp_path: Path):
+    run = tmp_path / "run"
+    args = [*TINY, "--config.train.steps=6", "--config.train.checkpoint_every=2"]
+    args += ["--config.train.eval_every=0", f"--workdir={run}"]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILL_DURING_SAVE, *args],
+        cwd=ROOT,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    checkpoints = run / "checkpoints"
+    _wait_for(lambda: checkpoints.is_dir() and list(checkpoints.glob("4.*tmp*")), 240, proc)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert (checkpoints / "2").is_dir() and not (checkpoints / "4").exists()
+
+    again = subprocess.run(
+        _train_cmd(run, *args[:-1]), cwd=ROOT, env=_env(), capture_output=True, text=True
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from {checkpoints / '2'}" in again.stdout
+    assert (checkpoints / "6").is_dir()
+
+
+def test_sigterm_saves_and_exits_zero(tmp_path: Path):
+    run = tmp_path / "run"
+    args = [*TINY, "--config.train.steps=100000", "--config.train.checkpoint_every=0"]
+    proc = subprocess.Popen(
+        _train_cmd(run, *args),
+        cwd=ROOT,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    _wait_for(lambda: len(read_rows(run / "metrics.jsonl")) >= 3, 240, proc)
+    proc.send_signal(signal.SIGTERM)
+    sent = time.time()
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-3000:]
+    assert time.time() - sent < 30
+    saved = [line for line in out.splitlines() if line.startswith("SIGTERM: saved step")]
+    assert saved, out[-2000:]
+    step = int(saved[0].split()[3])
+    assert (run / "checkpoints" / str(step)).is_dir()
+    logged = max(r["step"] for r in read_rows(run / "metrics.jsonl"))
+    assert step <= logged + 1  # stopped within one step of the signal's arrival
+
+
+def _prepared(tmp_path: Path) -> Path:
+    data = tmp_path / "data"
+    data.mkdir()
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):
+        write_split(data, split, rng.integers(0, 256, 5000).astype(np.uint16))
+    meta = {
+        "format": "moe_jax.tokens.v1",
+        "dtype": "uint16",
+        "vocab_size": 259,
+        "tokenizer": "byte",
+        "bos_id": 256,
+        "eos_id": 257,
+        "splits": {"train": {"num_tokens": 5000}, "val": {"num_tokens": 5000}},
+    }
+    write_meta(data, meta)
+    return data
+
+
+def _assert_rejected(config: config_lib.Config, workdir: Path, *words: str) -> None:
+    before = _snapshot(workdir) if workdir.exists() else None
+    with pytest.raises(trainer.RunError) as error:
+        trainer.run(config, workdir)
+    message = str(error.value)
+    assert "\n" not in message
+    for word in words:
+        assert word in message, message
+    after = _snapshot(workdir) if workdir.exists() else None
+    assert after == before, "the workdir was modified"
+
+
+def test_missing_data_path_is_rejected(tmp_path: Path):
+    cfg = tiny_config(steps=2)
+    cfg = dataclasses.replace(cfg, data=config_lib.DataConfig("tokens", str(tmp_path / "nope")))
+    _assert_rejected(cfg, tmp_path / "run", "data.path", "nope", "does not exist")
+
+
+def test_corrupt_bin_is_rejected(tmp_path: Path):
+    data = _prepared(tmp_path)
+    with (data / "train.bin").open("ab") as f:
+        f.write(b"\0")  # 10001 bytes: not a whole number of uint16 tokens
+    cfg = dataclasses.replace(tiny_config(steps=2), data=config_lib.DataConfig("tokens", str(data)))
+    _assert_rejected(cfg, tmp_path / "run", "train.bin", "uint16")
+
+
+def test_metadata_disagreeing_with_file_is_rejected(tmp_path: Path):
+    data = _prepared(tmp_path)
+    meta = json.loads((data / "meta.json").read_text())
+    meta["splits"]["val"]["num_tokens"] = 7000
+    (data / "meta.json").write_text(json.dumps(meta))
+    cfg = dataclasses.replace(tiny_config(steps=2), data=config_lib.DataConfig("tokens", str(data)))
+    _assert_rejected(cfg, tmp_path / "run", "val", "7000")
+
+
+def test_checkpoint_of_incompatible_config_is_rejected(tmp_path: Path):
+    run = tmp_path / "run"
+    trainer.run(tiny_config(steps=2, eval_every=0), run)
+    other = tiny_config(steps=4)
+    other = dataclasses.replace(other, model=dataclasses.replace(other.model, embed_dim=64))
+    _assert_rejected(other, run, "model.embed_dim", "32", "64")
+
+
+def test_non_finite_losses_stop_the_run(tmp_path: Path):
+    """An absurd learning rate makes the loss overflow: updates are skipped, then the run stops."""
+    run = tmp_path / "run"
+    cfg = tiny_config(steps=50, learning_rate=1e30, warmup_steps=0, grad_clip=0.0)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_bad_steps=3))
+    with pytest.raises(trainer.RunError, match=r"train\.max_bad_steps=3"):
+        trainer.run(cfg, run)
+    assert not list((run / "checkpoints").glob("*")) or all(
+        p.name.isdigit() for p in (run / "checkpoints").iterdir()
+    )
+
+
+def test_profile_writes_a_trace(tmp_path: Path):
+    cfg = tiny_config(steps=4, eval_every=0)
+    cfg = dataclasses.replace(cfg, profile=config_lib.ProfileConfig("2,4"))
+    trainer.run(cfg, tmp_path / "run")
+    assert list((tmp_path / "run" / "profile").rglob("*.xplane.pb"))
