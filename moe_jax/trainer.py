@@ -51,7 +51,7 @@ class _StopRequest:
             signal.signal(sig, handler)
 
 
-def _batch_sharding() -> jax.sharding.Sharding:
+def _batch_sharding() -> jax.sharding.Sharding:  # also where the state lives
     # One device until parallel layouts arrive; the batch still goes through
     # make_array_from_process_local_data so multi-host runs reuse this path.
     return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
@@ -103,10 +103,12 @@ def run(config: config_lib.Config, workdir: str | Path) -> dict[str, Any]:
         state, data_state = checkpoints.restore(start, state)
         train_batches.set_state(data_state)
         print(f"resumed from {checkpoints.directory / str(start)}", flush=True)
+    sharding = _batch_sharding()
+    # Committed to a device like the step's outputs, so step 1 does not compile twice.
+    state = jax.device_put(state, sharding)
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "config.json").write_text(json.dumps(config_dict, indent=2) + "\n")
 
-    sharding = _batch_sharding()
     step_fn = jax.jit(partial(train_step, graphdef, config))
     eval_fn = jax.jit(partial(eval_step, graphdef, config))
     logger = MetricsLogger(workdir, tc.steps, start)
