@@ -122,6 +122,16 @@ class DataConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """The plan: how each block kind is laid out on a (data, intra) device mesh."""
+
+    attention: str = "dp"  # dp (batch split) or sp (Ulysses sequence parallel)
+    experts: str = "ep_ag"  # ep_ag: all-gather tokens, local experts, reduce-scatter
+    intra: int = 1  # n: devices of one intra-node group (experts and sequence split here)
+    data: int = 1  # data-parallel groups
+
+
+@dataclasses.dataclass(frozen=True)
 class ProfileConfig:
     steps: str = ""  # "start,stop": trace steps [start, stop) with jax.profiler
 
@@ -132,6 +142,7 @@ class Config:
     moe: MoEConfig = MoEConfig()
     train: TrainConfig = TrainConfig()
     data: DataConfig = DataConfig()
+    parallel: ParallelConfig = ParallelConfig()
     profile: ProfileConfig = ProfileConfig()
 
 
@@ -140,10 +151,13 @@ SECTIONS = {
     "moe": MoEConfig,
     "train": TrainConfig,
     "data": DataConfig,
+    "parallel": ParallelConfig,
     "profile": ProfileConfig,
 }
 DATA_SOURCES = ("stdlib", "tokens", "synthetic")
 SCHEDULES = ("cosine", "linear")
+ATTENTION_LAYOUTS = ("dp", "sp")
+EXPERT_LAYOUTS = ("ep_ag",)
 
 
 def to_config_dict(config: Config) -> ml_collections.ConfigDict:
@@ -299,6 +313,15 @@ def validate(config: Config) -> None:
         "data.source='tokens' needs the directory written by moe_jax.data.prepare",
     )
     _check(0 < d.val_fraction < 1, "data.val_fraction", d.val_fraction, "must be in (0, 1)")
+    p = config.parallel
+    _positive(p, "parallel", "intra", "data")
+    _check(
+        p.attention in ATTENTION_LAYOUTS,
+        "parallel.attention",
+        p.attention,
+        f"valid: {ATTENTION_LAYOUTS}",
+    )
+    _check(p.experts in EXPERT_LAYOUTS, "parallel.experts", p.experts, f"valid: {EXPERT_LAYOUTS}")
     profile_steps(config.profile)
 
 

@@ -26,11 +26,18 @@ def ragged_gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
     return jax.lax.ragged_dot(x, w, group_sizes.astype(jnp.int32))
 
 
-def _tile_loop(num_tiles: jax.Array, body, init):
-    return jax.lax.fori_loop(0, num_tiles, body, init)
+def _varying_like(init, *refs):
+    """`init` plus an exact zero taken from each of `refs`. Inside shard_map this gives
+    the loop carry the same manual-axis type as the values the loop writes into it;
+    elsewhere it changes nothing."""
+    zero = sum(jnp.zeros_like(r.reshape(-1)[0]) for r in refs)
+    return jax.tree.map(lambda a: a + zero.astype(a.dtype), init)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _tile_loop(num_tiles: jax.Array, body, init, *refs):
+    return jax.lax.fori_loop(0, num_tiles, body, _varying_like(init, num_tiles, *refs))
+
+
 def tiled_gmm(
     x: jax.Array, w: jax.Array, tile_expert: jax.Array, num_tiles: jax.Array, tile: int
 ) -> jax.Array:
@@ -38,6 +45,15 @@ def tiled_gmm(
 
     Only the first `num_tiles` tiles are computed; the rest of the output is zero.
     """
+    # Inside shard_map, x and w may vary over different mesh axes (tokens over the
+    # data axis, experts over the intra axis). Giving both the same type first lets
+    # JAX's own transpose reduce w's gradient over the axes w does not vary on.
+    x, w = _varying_like(x, w), _varying_like(w, x)
+    return _tiled_gmm(x, w, tile_expert, num_tiles, tile)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _tiled_gmm(x, w, tile_expert, num_tiles, tile):
     return _tiled_forward(x, w, tile_expert, num_tiles, tile)
 
 
@@ -50,7 +66,7 @@ def _tiled_forward(x, w, tile_expert, num_tiles, tile):
         return jax.lax.dynamic_update_index_in_dim(out, y.astype(out.dtype), t, 0)
 
     out = jnp.zeros((rows // tile, tile, w.shape[-1]), x.dtype)
-    return _tile_loop(num_tiles, body, out).reshape(rows, w.shape[-1])
+    return _tile_loop(num_tiles, body, out, x, w, tile_expert).reshape(rows, w.shape[-1])
 
 
 def _tiled_fwd(x, w, tile_expert, num_tiles, tile):
@@ -74,8 +90,8 @@ def _tiled_bwd(tile, residuals, dy):
 
     dx = jnp.zeros_like(xt)
     dw = jnp.zeros(w.shape, jnp.float32)
-    dx, dw = _tile_loop(num_tiles, body, (dx, dw))
+    dx, dw = _tile_loop(num_tiles, body, (dx, dw), x, w, tile_expert, dy)
     return dx.reshape(rows, d), dw.astype(w.dtype), None, None
 
 
-tiled_gmm.defvjp(_tiled_fwd, _tiled_bwd)
+_tiled_gmm.defvjp(_tiled_fwd, _tiled_bwd)

@@ -17,19 +17,20 @@ from moe_jax.model.attention import Attention
 from moe_jax.model.axes import constrain, param
 from moe_jax.model.layers import MLP, Embed, RMSNorm
 from moe_jax.moe.block import MoE, MoEStats
+from moe_jax.parallel.layout import SINGLE_DEVICE, Layout
 
 
 class Block(nnx.Module):
     """x + attn(norm(x)), then + ffn(norm(x)); the ffn is a dense MLP or an MoE."""
 
-    def __init__(self, cfg: ModelConfig, moe: MoEConfig | None, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, moe: MoEConfig | None, *, rngs: nnx.Rngs, layout: Layout):
         self.attn_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
-        self.attn = Attention(cfg, rngs=rngs)
+        self.attn = Attention(cfg, rngs=rngs, layout=layout)
         self.ffn_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
         if moe is None:
             self.ffn = MLP(cfg.embed_dim, cfg.mlp_dim, rngs=rngs)
         else:
-            self.ffn = MoE(cfg.embed_dim, moe, rngs=rngs)
+            self.ffn = MoE(cfg.embed_dim, moe, rngs=rngs, layout=layout)
 
     def __call__(self, x: jax.Array, positions: jax.Array):
         x = x + self.attn(self.attn_norm(x), positions)
@@ -44,10 +45,10 @@ class Block(nnx.Module):
 class Unit(nnx.Module):
     """The repeated unit of a stack: dense blocks, optionally ending in one MoE block."""
 
-    def __init__(self, cfg: ModelConfig, moe: MoEConfig | None, num_dense: int, *, rngs):
-        blocks = [Block(cfg, None, rngs=rngs) for _ in range(num_dense)]
+    def __init__(self, cfg: ModelConfig, moe: MoEConfig | None, num_dense: int, *, rngs, layout):
+        blocks = [Block(cfg, None, rngs=rngs, layout=layout) for _ in range(num_dense)]
         if moe is not None:
-            blocks.append(Block(cfg, moe, rngs=rngs))
+            blocks.append(Block(cfg, moe, rngs=rngs, layout=layout))
         self.blocks = nnx.List(blocks)
 
     def __call__(self, x: jax.Array, positions: jax.Array):
@@ -61,11 +62,11 @@ class Unit(nnx.Module):
 class Stack(nnx.Module):
     """`repeats` copies of a unit with parameters stacked on a leading 'layers' axis."""
 
-    def __init__(self, cfg: ModelConfig, moe, num_dense: int, repeats: int, *, rngs):
+    def __init__(self, cfg: ModelConfig, moe, num_dense: int, repeats: int, *, rngs, layout):
         @nnx.split_rngs(splits=repeats)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def make(rngs: nnx.Rngs) -> Unit:
-            return Unit(cfg, moe, num_dense, rngs=rngs)
+            return Unit(cfg, moe, num_dense, rngs=rngs, layout=layout)
 
         self.units = make(rngs)
         self.remat = cfg.remat
@@ -84,14 +85,18 @@ class Stack(nnx.Module):
 class Transformer(nnx.Module):
     """tokens [batch, seq] -> (logits [batch, seq, vocab] float32, stacked MoE stats)."""
 
-    def __init__(self, cfg: ModelConfig, moe: MoEConfig, *, rngs: nnx.Rngs):
+    def __init__(
+        self, cfg: ModelConfig, moe: MoEConfig, *, rngs: nnx.Rngs, layout: Layout = SINGLE_DEVICE
+    ):
         self.cfg = cfg
         self.embed = Embed(cfg.vocab_size, cfg.embed_dim, rngs=rngs)
         self.dense = (
-            Stack(cfg, None, 1, cfg.first_k_dense, rngs=rngs) if cfg.first_k_dense else None
+            Stack(cfg, None, 1, cfg.first_k_dense, rngs=rngs, layout=layout)
+            if cfg.first_k_dense
+            else None
         )
         self.moe = (
-            Stack(cfg, moe, cfg.moe_every - 1, cfg.num_moe_layers, rngs=rngs)
+            Stack(cfg, moe, cfg.moe_every - 1, cfg.num_moe_layers, rngs=rngs, layout=layout)
             if cfg.num_moe_layers
             else None
         )

@@ -10,6 +10,8 @@ Conventions (the load-balancing losses equal 1.0 under perfectly uniform routing
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -40,3 +42,55 @@ def sequence_balancing_loss(routing: Routing, batch_size: int) -> jax.Array:
 def router_z_loss(routing: Routing) -> jax.Array:
     """Penalises large router logits, which keeps the fp32 router numerically tame."""
     return jnp.mean(jnp.square(jax.nn.logsumexp(routing.logits, axis=-1)))
+
+
+def _fraction_and_prob(expert_index: jax.Array, probs: jax.Array, num_experts: int):
+    one_hot = jax.nn.one_hot(expert_index, num_experts, dtype=jnp.float32)
+    return one_hot.sum(-2).mean(-2) / expert_index.shape[-1], probs.mean(-2)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RouterStats:
+    """Per-group router statistics that average (or add) exactly across equal groups,
+    so data-parallel groups can combine them into the whole batch's losses."""
+
+    fraction: jax.Array  # [E] f_i
+    mean_prob: jax.Array  # [E] P_i
+    seq_aux: jax.Array  # mean over this group's sequences of the per-sequence loss
+    z_loss: jax.Array
+    load: jax.Array  # [E] assignments (a sum, not a mean)
+    dropped_fraction: jax.Array
+
+    def aux_loss(self) -> jax.Array:
+        num_experts = self.fraction.shape[-1]
+        return num_experts * (jax.lax.stop_gradient(self.fraction) * self.mean_prob).sum(-1)
+
+    def seq_aux_loss(self) -> jax.Array:
+        return self.seq_aux
+
+    def combine(self, axis_name) -> RouterStats:
+        """Combines equal-sized groups along a mapped mesh axis."""
+        mean = lambda x: jax.lax.pmean(x, axis_name)
+        return RouterStats(
+            fraction=mean(self.fraction),
+            mean_prob=mean(self.mean_prob),
+            seq_aux=mean(self.seq_aux),
+            z_loss=mean(self.z_loss),
+            load=jax.lax.psum(self.load, axis_name),
+            dropped_fraction=mean(self.dropped_fraction),
+        )
+
+
+def router_stats(routing: Routing, batch_size: int, load: jax.Array) -> RouterStats:
+    fraction, mean_prob = _fraction_and_prob(
+        routing.expert_index, routing.probs, routing.probs.shape[-1]
+    )
+    return RouterStats(
+        fraction=fraction,
+        mean_prob=mean_prob,
+        seq_aux=sequence_balancing_loss(routing, batch_size),
+        z_loss=router_z_loss(routing),
+        load=load,
+        dropped_fraction=1.0 - routing.keep.mean(),
+    )

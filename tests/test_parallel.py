@@ -1,0 +1,124 @@
+"""Parallel layouts on 8 forced CPU devices: equal to one device, and the compiled
+program holds the collectives the layout promises."""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from moe_jax.config import Config, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
+from moe_jax.model.transformer import Transformer
+from moe_jax.moe.block import RouterBias
+from moe_jax.parallel import mesh as mesh_lib
+from moe_jax.train_step import loss_fn
+
+BASE = Config(
+    model=ModelConfig(
+        num_layers=2, first_k_dense=0, embed_dim=32, num_heads=8, num_kv_heads=2, head_dim=8
+    ),
+    moe=MoEConfig(num_experts=8, top_k=2, expert_mlp_dim=16, aux_loss_coef=0.1, z_loss_coef=0.01),
+    train=TrainConfig(batch_size=8, seq_len=16),
+)
+
+
+def _with_plan(attention: str, data: int, intra: int) -> Config:
+    plan = ParallelConfig(attention=attention, experts="ep_ag", intra=intra, data=data)
+    return dataclasses.replace(BASE, parallel=plan)
+
+
+def _batch() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, BASE.model.vocab_size, (8, 17)).astype(np.int32)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+
+def _loss_and_grads(config: Config, layout=None):
+    kwargs = {} if layout is None else {"layout": layout}
+    model = Transformer(config.model, config.moe, rngs=nnx.Rngs(0), **kwargs)
+    graphdef, params, biases = nnx.split(model, nnx.Param, RouterBias)
+    batch = _batch()
+    grad_fn = jax.value_and_grad(partial(loss_fn, graphdef=graphdef, config=config), has_aux=True)
+    fn = jax.jit(lambda params, biases, batch: grad_fn(params, biases, batch=batch))
+    if layout is not None:
+        params = jax.device_put(params, mesh_lib.state_shardings(params, layout.mesh))
+        biases = jax.device_put(biases, mesh_lib.state_shardings(biases, layout.mesh))
+        sharding = mesh_lib.batch_sharding(layout)
+        batch = {k: jax.device_put(v, sharding) for k, v in batch.items()}
+    (loss, metrics), grads = fn(params, biases, batch)
+    hlo = fn.lower(params, biases, batch).compile().as_text()
+    return loss, metrics, grads, hlo
+
+
+@pytest.fixture(scope="module")
+def single_device():
+    return _loss_and_grads(BASE)
+
+
+PLANS = [("dp", 2, 4), ("dp", 1, 8), ("sp", 2, 4), ("sp", 1, 8)]
+
+
+@pytest.mark.parametrize("attention,data,intra", PLANS)
+def test_layout_matches_single_device(single_device, attention: str, data: int, intra: int):
+    config = _with_plan(attention, data, intra)
+    mesh_lib.check_plan(config, jax.device_count())
+    mesh = mesh_lib.make_mesh(config)
+    loss, metrics, grads, _ = _loss_and_grads(config, mesh_lib.make_layout(config, mesh))
+    ref_loss, ref_metrics, ref_grads, _ = single_device
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    for key in ("lm_loss", "aux_loss", "seq_aux_loss", "z_loss"):
+        np.testing.assert_allclose(metrics[key], ref_metrics[key], rtol=1e-5, err_msg=key)
+    np.testing.assert_array_equal(metrics["load"], ref_metrics["load"])
+    flat, ref_flat = jax.tree.leaves_with_path(grads), jax.tree.leaves_with_path(ref_grads)
+    for (path, got), (_, want) in zip(flat, ref_flat, strict=True):
+        scale = float(np.abs(want).max())
+        np.testing.assert_allclose(
+            got, want, rtol=1e-5, atol=1e-5 * scale, err_msg=jax.tree_util.keystr(path)
+        )
+
+
+def test_compiled_collectives_follow_the_plan():
+    """sp moves activations with all-to-all; ep_ag with all-gather + reduce-scatter; dp + ep_ag
+    has no all-to-all at all."""
+    programs = {}
+    for attention in ("dp", "sp"):
+        config = _with_plan(attention, 1, 8)
+        layout = mesh_lib.make_layout(config, mesh_lib.make_mesh(config))
+        programs[attention] = _loss_and_grads(config, layout)[3]
+    assert "all-to-all" in programs["sp"]
+    assert "all-to-all" not in programs["dp"]
+    for hlo in programs.values():
+        assert "all-gather" in hlo and "reduce-scatter" in hlo
+
+
+@pytest.mark.parametrize(
+    "changes,setting",
+    [
+        ({"parallel": ParallelConfig(intra=4, data=1)}, "8 devices"),
+        ({"parallel": ParallelConfig(intra=8), "moe": MoEConfig(num_experts=4)}, "moe.num_experts"),
+        (
+            {"parallel": ParallelConfig(attention="sp", intra=8), "train": TrainConfig(seq_len=12)},
+            "train.seq_len",
+        ),
+        (
+            {
+                "parallel": ParallelConfig(attention="sp", intra=8),
+                "model": dataclasses.replace(BASE.model, num_heads=4, num_kv_heads=2),
+            },
+            "model.num_heads",
+        ),
+        (
+            {"parallel": ParallelConfig(intra=8), "train": TrainConfig(batch_size=4)},
+            "train.batch_size",
+        ),
+    ],
+)
+def test_plans_that_do_not_fit_are_rejected(changes: dict, setting: str):
+    config = dataclasses.replace(BASE, **changes)
+    with pytest.raises(ValueError, match=setting) as error:
+        mesh_lib.check_plan(config, 8)
+    assert "\n" not in str(error.value)
