@@ -128,7 +128,7 @@ class ParallelConfig:
     attention: str = "dp"  # dp (batch split) or sp (Ulysses sequence parallel)
     experts: str = "ep_ag"  # ep_ag: all-gather tokens, local experts, reduce-scatter
     intra: int = 1  # n: devices of one intra-node group (experts and sequence split here)
-    data: int = 1  # data-parallel groups
+    data: int = 0  # data-parallel groups; 0 = all devices not used by intra
 
 
 @dataclasses.dataclass(frozen=True)
@@ -314,7 +314,8 @@ def validate(config: Config) -> None:
     )
     _check(0 < d.val_fraction < 1, "data.val_fraction", d.val_fraction, "must be in (0, 1)")
     p = config.parallel
-    _positive(p, "parallel", "intra", "data")
+    _positive(p, "parallel", "intra")
+    _check(p.data >= 0, "parallel.data", p.data, "must be >= 0 (0 uses every device)")
     _check(
         p.attention in ATTENTION_LAYOUTS,
         "parallel.attention",

@@ -19,6 +19,7 @@ from moe_jax.config import Config, TrainConfig
 from moe_jax.model.transformer import Transformer
 from moe_jax.moe.balancing import update_bias
 from moe_jax.moe.block import RouterBias
+from moe_jax.parallel.layout import SINGLE_DEVICE, Layout
 
 
 @jax.tree_util.register_dataclass
@@ -71,14 +72,13 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     return adamw
 
 
-def build_model(config: Config, seed: int | None = None) -> Transformer:
-    seed = config.train.seed if seed is None else seed
-    return Transformer(config.model, config.moe, rngs=nnx.Rngs(seed))
+def build_model(config: Config, layout: Layout = SINGLE_DEVICE) -> Transformer:
+    return Transformer(config.model, config.moe, rngs=nnx.Rngs(config.train.seed), layout=layout)
 
 
-def init_state(config: Config, model: Transformer | None = None):
-    """(graphdef, TrainState) for a freshly initialised model."""
-    model = model if model is not None else build_model(config)
+def init_state(config: Config, layout: Layout = SINGLE_DEVICE):
+    """(graphdef, TrainState) for a freshly initialised model laid out by `layout`."""
+    model = build_model(config, layout)
     graphdef, params, biases = nnx.split(model, nnx.Param, RouterBias)
     opt_state = make_optimizer(config.train).init(params)
     rng = jax.random.key_data(jax.random.key(config.train.seed))

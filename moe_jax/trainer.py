@@ -23,6 +23,7 @@ from moe_jax import flops
 from moe_jax.checkpoint import Checkpointer
 from moe_jax.data import pipeline
 from moe_jax.metrics import MetricsLogger
+from moe_jax.parallel import mesh as mesh_lib
 from moe_jax.plots import plot_run
 from moe_jax.train_step import eval_step, init_state, train_step
 
@@ -51,12 +52,6 @@ class _StopRequest:
             signal.signal(sig, handler)
 
 
-def _batch_sharding() -> jax.sharding.Sharding:  # also where the state lives
-    # One device until parallel layouts arrive; the batch still goes through
-    # make_array_from_process_local_data so multi-host runs reuse this path.
-    return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-
-
 def _evaluate(eval_fn, state, config: config_lib.Config, sharding) -> float:
     batches = pipeline.make_iterator(config, "val", shuffle=False)
     losses = [
@@ -66,9 +61,9 @@ def _evaluate(eval_fn, state, config: config_lib.Config, sharding) -> float:
     return float(np.mean(losses))
 
 
-def _step_row(step: int, metrics: dict[str, Any], throughput: dict[str, float]) -> dict:
+def _step_row(step: int, metrics: dict[str, Any], throughput: dict, plan: dict) -> dict:
     host = jax.device_get(metrics)
-    row: dict[str, Any] = {"step": step}
+    row: dict[str, Any] = {"step": step, **plan}
     for key in ("loss", "lm_loss", "aux_loss", "seq_aux_loss", "z_loss", "grad_norm", "lr"):
         if key in host:
             row[key] = float(host[key])
@@ -87,29 +82,38 @@ def run(config: config_lib.Config, workdir: str | Path) -> dict[str, Any]:
     """Trains (or resumes) `config` in `workdir`; returns the last logged rows."""
     workdir = Path(workdir)
     tc = config.train
-    config_dict = dataclasses.asdict(config)
     process, processes = jax.process_index(), jax.process_count()
     checkpoints = Checkpointer(workdir / "checkpoints", tc.keep_checkpoints, tc.checkpoint_every)
     try:
+        config = mesh_lib.resolve(config, jax.device_count())
+        mesh_lib.check_plan(config, jax.device_count())
         train_batches = pipeline.make_iterator(config, "train", process, processes)
         pipeline.make_iterator(config, "val", shuffle=False)  # fails early on a bad val split
+        config_dict = dataclasses.asdict(config)
         checkpoints.check_compatible(config_dict)
     except ValueError as error:
         raise RunError(str(error)) from None
 
-    graphdef, state = init_state(config)
+    mesh = mesh_lib.make_mesh(config)
+    layout = mesh_lib.make_layout(config, mesh)
+    graphdef, state = init_state(config, layout)
+    state_sharding = mesh_lib.state_shardings(state, mesh)
+    # Placed as the step's outputs will be, so step 1 does not compile twice.
+    state = jax.device_put(state, state_sharding)
     start = checkpoints.latest_step() or 0
     if start:
         state, data_state = checkpoints.restore(start, state)
         train_batches.set_state(data_state)
         print(f"resumed from {checkpoints.directory / str(start)}", flush=True)
-    sharding = _batch_sharding()
-    # Committed to a device like the step's outputs, so step 1 does not compile twice.
-    state = jax.device_put(state, sharding)
+    sharding = mesh_lib.batch_sharding(layout)
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "config.json").write_text(json.dumps(config_dict, indent=2) + "\n")
 
-    step_fn = jax.jit(partial(train_step, graphdef, config))
+    step_fn = jax.jit(
+        partial(train_step, graphdef, config),
+        in_shardings=(state_sharding, sharding),
+        out_shardings=(state_sharding, None),
+    )
     eval_fn = jax.jit(partial(eval_step, graphdef, config))
     logger = MetricsLogger(workdir, tc.steps, start)
     tokens_per_step = tc.batch_size * tc.seq_len
@@ -117,6 +121,7 @@ def run(config: config_lib.Config, workdir: str | Path) -> dict[str, Any]:
     peak = flops.peak_flops(jax.devices()[0])
     peak = peak * jax.device_count() if peak else None
     profile = config_lib.profile_steps(config.profile)
+    plan = {f"plan_{k}": v for k, v in dataclasses.asdict(config.parallel).items()}
     last: dict[str, Any] = {}
     bad_in_a_row = 0
     save = lambda step, force=False: checkpoints.save(
@@ -151,7 +156,7 @@ def run(config: config_lib.Config, workdir: str | Path) -> dict[str, Any]:
                     throughput["mfu"] = (
                         flops_per_step / tokens_per_step * rate / peak if peak else None
                     )
-                    last = _step_row(step, metrics, throughput)
+                    last = _step_row(step, metrics, throughput, plan)
                     logger.write(last)
                     clock, clock_step = time.perf_counter(), step
                 if (tc.eval_every and step % tc.eval_every == 0) or step == tc.steps:

@@ -122,3 +122,24 @@ def test_plans_that_do_not_fit_are_rejected(changes: dict, setting: str):
     with pytest.raises(ValueError, match=setting) as error:
         mesh_lib.check_plan(config, 8)
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("attention,data,intra", [("dp", 0, 8), ("sp", 2, 4)])
+def test_trainer_runs_each_layout(tmp_path, attention: str, data: int, intra: int):
+    """A few real training steps per layout on the 8 test devices; the plan is logged."""
+    from moe_jax import trainer
+    from moe_jax.config import DataConfig
+    from moe_jax.metrics import read_rows
+
+    config = dataclasses.replace(
+        _with_plan(attention, data, intra),
+        train=TrainConfig(batch_size=8, seq_len=16, steps=3, log_every=1, eval_batches=1),
+        data=DataConfig(source="synthetic"),
+    )
+    trainer.run(config, tmp_path)
+    rows = [r for r in read_rows(tmp_path / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(np.isfinite(r["loss"]) for r in rows)
+    assert rows[-1]["plan_attention"] == attention
+    assert rows[-1]["plan_experts"] == "ep_ag"
+    assert (rows[-1]["plan_data"], rows[-1]["plan_intra"]) == (8 // intra, intra)

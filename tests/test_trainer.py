@@ -43,7 +43,8 @@ def tiny_config(**train) -> config_lib.Config:
     base = config_lib.Config()
     model = dataclasses.replace(base.model, embed_dim=32, head_dim=8, mlp_dim=64)
     moe = dataclasses.replace(base.moe, expert_mlp_dim=32)
-    settings = {"batch_size": 4, "seq_len": 32, "eval_batches": 1, "log_every": 1, **train}
+    # Batch 8: in-process runs see the 8 forced test devices and split the batch over them.
+    settings = {"batch_size": 8, "seq_len": 32, "eval_batches": 1, "log_every": 1, **train}
     cfg = dataclasses.replace(
         base, model=model, moe=moe, train=dataclasses.replace(base.train, **settings)
     )

@@ -7,6 +7,8 @@ own way (the layout); parameters are placed by logical-axis rules.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 from flax import nnx
@@ -28,8 +30,22 @@ EXPERTS = {"ep_ag": allgather_moe}
 PARAM_RULES = {"experts": "intra"}
 
 
+def resolve(config: Config, num_devices: int) -> Config:
+    """The config with `parallel.data=0` replaced by the devices left over by `intra`."""
+    p = config.parallel
+    if p.data:
+        return config
+    if num_devices % p.intra:
+        raise ValueError(
+            f"parallel.intra={p.intra} must divide the {num_devices} devices "
+            "(or set parallel.data explicitly)"
+        )
+    return dataclasses.replace(config, parallel=dataclasses.replace(p, data=num_devices // p.intra))
+
+
 def check_plan(config: Config, num_devices: int) -> None:
     """One-line errors for plans that cannot run, before anything is compiled."""
+    config = resolve(config, num_devices)
     p, m, e, t = config.parallel, config.model, config.moe, config.train
     problems = [
         (
@@ -81,7 +97,7 @@ def check_plan(config: Config, num_devices: int) -> None:
 
 def make_mesh(config: Config, devices=None) -> Mesh:
     devices = np.asarray(devices if devices is not None else jax.devices())
-    p = config.parallel
+    p = resolve(config, devices.size).parallel
     return Mesh(devices.reshape(p.data, p.intra), ("data", "intra"))
 
 
