@@ -126,7 +126,7 @@ class ParallelConfig:
     """The plan: how each block kind is laid out on a (data, intra) device mesh."""
 
     attention: str = "dp"  # dp (batch split) or sp (Ulysses sequence parallel)
-    experts: str = "ep_ag"  # ep_ag: all-gather tokens, local experts, reduce-scatter
+    experts: str = "ep_ag"  # ep_ag (all-gather, reduce-scatter) or ep_a2a (all-to-all)
     intra: int = 1  # n: devices of one intra-node group (experts and sequence split here)
     data: int = 0  # data-parallel groups; 0 = all devices not used by intra
 
@@ -157,7 +157,7 @@ SECTIONS = {
 DATA_SOURCES = ("stdlib", "tokens", "synthetic")
 SCHEDULES = ("cosine", "linear")
 ATTENTION_LAYOUTS = ("dp", "sp")
-EXPERT_LAYOUTS = ("ep_ag",)
+EXPERT_LAYOUTS = ("ep_ag", "ep_a2a")
 
 
 def to_config_dict(config: Config) -> ml_collections.ConfigDict:

@@ -26,8 +26,8 @@ BASE = Config(
 )
 
 
-def _with_plan(attention: str, data: int, intra: int) -> Config:
-    plan = ParallelConfig(attention=attention, experts="ep_ag", intra=intra, data=data)
+def _with_plan(attention: str, data: int, intra: int, experts: str = "ep_ag") -> Config:
+    plan = ParallelConfig(attention=attention, experts=experts, intra=intra, data=data)
     return dataclasses.replace(BASE, parallel=plan)
 
 
@@ -59,12 +59,15 @@ def single_device():
     return _loss_and_grads(BASE)
 
 
-PLANS = [("dp", 2, 4), ("dp", 1, 8), ("sp", 2, 4), ("sp", 1, 8)]
+MESHES = [(2, 4), (1, 8)]
+PLANS = [(a, e, d, n) for a in ("dp", "sp") for e in ("ep_ag", "ep_a2a") for d, n in MESHES]
 
 
-@pytest.mark.parametrize("attention,data,intra", PLANS)
-def test_layout_matches_single_device(single_device, attention: str, data: int, intra: int):
-    config = _with_plan(attention, data, intra)
+@pytest.mark.parametrize("attention,experts,data,intra", PLANS)
+def test_layout_matches_single_device(
+    single_device, attention: str, experts: str, data: int, intra: int
+):
+    config = _with_plan(attention, data, intra, experts)
     mesh_lib.check_plan(config, jax.device_count())
     mesh = mesh_lib.make_mesh(config)
     loss, metrics, grads, _ = _loss_and_grads(config, mesh_lib.make_layout(config, mesh))
@@ -81,18 +84,28 @@ def test_layout_matches_single_device(single_device, attention: str, data: int, 
         )
 
 
+def _program(attention: str, experts: str) -> str:
+    config = _with_plan(attention, 1, 8, experts)
+    layout = mesh_lib.make_layout(config, mesh_lib.make_mesh(config))
+    return _loss_and_grads(config, layout)[3]
+
+
+def _count(hlo: str, op: str) -> int:
+    return sum(f" {op}(" in line or f" {op}-start(" in line for line in hlo.splitlines())
+
+
 def test_compiled_collectives_follow_the_plan():
-    """sp moves activations with all-to-all; ep_ag with all-gather + reduce-scatter; dp + ep_ag
-    has no all-to-all at all."""
-    programs = {}
-    for attention in ("dp", "sp"):
-        config = _with_plan(attention, 1, 8)
-        layout = mesh_lib.make_layout(config, mesh_lib.make_mesh(config))
-        programs[attention] = _loss_and_grads(config, layout)[3]
-    assert "all-to-all" in programs["sp"]
-    assert "all-to-all" not in programs["dp"]
-    for hlo in programs.values():
-        assert "all-gather" in hlo and "reduce-scatter" in hlo
+    """ep_ag moves tokens by all-gather + reduce-scatter and ep_a2a by all-to-all; dp
+    attention adds no all-to-all and sp adds exactly the Ulysses ones."""
+    dp_ag, dp_a2a = _program("dp", "ep_ag"), _program("dp", "ep_a2a")
+    sp_ag = _program("sp", "ep_ag")
+    assert _count(dp_ag, "all-to-all") == 0
+    assert _count(dp_ag, "all-gather") > 0 and _count(dp_ag, "reduce-scatter") > 0
+    assert _count(dp_a2a, "all-to-all") > 0
+    assert _count(dp_a2a, "reduce-scatter") == 0 and _count(dp_a2a, "all-gather") == 0
+    # Ulysses: q, k, v forth and the output back, per layer, forward and backward.
+    assert _count(sp_ag, "all-to-all") > 0
+    assert _count(sp_ag, "all-gather") == _count(dp_ag, "all-gather")
 
 
 @pytest.mark.parametrize(
@@ -124,15 +137,17 @@ def test_plans_that_do_not_fit_are_rejected(changes: dict, setting: str):
     assert "\n" not in str(error.value)
 
 
-@pytest.mark.parametrize("attention,data,intra", [("dp", 0, 8), ("sp", 2, 4)])
-def test_trainer_runs_each_layout(tmp_path, attention: str, data: int, intra: int):
+@pytest.mark.parametrize(
+    "attention,experts,data,intra", [("dp", "ep_ag", 0, 8), ("sp", "ep_a2a", 2, 4)]
+)
+def test_trainer_runs_each_layout(tmp_path, attention: str, experts: str, data: int, intra: int):
     """A few real training steps per layout on the 8 test devices; the plan is logged."""
     from moe_jax import trainer
     from moe_jax.config import DataConfig
     from moe_jax.metrics import read_rows
 
     config = dataclasses.replace(
-        _with_plan(attention, data, intra),
+        _with_plan(attention, data, intra, experts),
         train=TrainConfig(batch_size=8, seq_len=16, steps=3, log_every=1, eval_batches=1),
         data=DataConfig(source="synthetic"),
     )
@@ -141,5 +156,5 @@ def test_trainer_runs_each_layout(tmp_path, attention: str, data: int, intra: in
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(np.isfinite(r["loss"]) for r in rows)
     assert rows[-1]["plan_attention"] == attention
-    assert rows[-1]["plan_experts"] == "ep_ag"
+    assert rows[-1]["plan_experts"] == experts
     assert (rows[-1]["plan_data"], rows[-1]["plan_intra"]) == (8 // intra, intra)

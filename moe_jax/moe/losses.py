@@ -52,12 +52,13 @@ def _fraction_and_prob(expert_index: jax.Array, probs: jax.Array, num_experts: i
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class RouterStats:
-    """Per-group router statistics that average (or add) exactly across equal groups,
-    so data-parallel groups can combine them into the whole batch's losses."""
+    """Router statistics of one shard of tokens, kept as means (and one sum) so that
+    shards of equal size combine exactly into the statistics of the whole batch."""
 
-    fraction: jax.Array  # [E] f_i
+    fraction: jax.Array  # [E] f_i over the shard's tokens
     mean_prob: jax.Array  # [E] P_i
-    seq_aux: jax.Array  # mean over this group's sequences of the per-sequence loss
+    seq_fraction: jax.Array  # [B, E] f_i per sequence (of this shard's part of it)
+    seq_prob: jax.Array  # [B, E] P_i per sequence
     z_loss: jax.Array
     load: jax.Array  # [E] assignments (a sum, not a mean)
     dropped_fraction: jax.Array
@@ -67,29 +68,59 @@ class RouterStats:
         return num_experts * (jax.lax.stop_gradient(self.fraction) * self.mean_prob).sum(-1)
 
     def seq_aux_loss(self) -> jax.Array:
-        return self.seq_aux
+        num_experts = self.seq_fraction.shape[-1]
+        per_sequence = (jax.lax.stop_gradient(self.seq_fraction) * self.seq_prob).sum(-1)
+        return num_experts * per_sequence.mean(-1)
 
-    def combine(self, axis_name) -> RouterStats:
-        """Combines equal-sized groups along a mapped mesh axis."""
-        mean = lambda x: jax.lax.pmean(x, axis_name)
+    def combine(self, batch_axes=(), seq_axes=(), copy_axes=()) -> RouterStats:
+        """Whole-batch statistics from equal shards spread over mesh axes.
+
+        `batch_axes` hold different sequences, `seq_axes` different tokens of the
+        same sequences, `copy_axes` identical copies (averaged, which also marks
+        the result replicated and spreads its gradient evenly over the copies).
+        """
+        every = (*batch_axes, *seq_axes, *copy_axes)
+        mean = lambda x, axes: jax.lax.pmean(x, axes) if axes else x
+        gather = lambda x: _gather_rows(x, batch_axes) if batch_axes else x
+        seq_fraction = gather(mean(self.seq_fraction, (*seq_axes, *copy_axes)))
+        seq_prob = gather(mean(self.seq_prob, (*seq_axes, *copy_axes)))
+        shards = (*batch_axes, *seq_axes)
+        load = jax.lax.psum(self.load, shards) if shards else self.load
         return RouterStats(
-            fraction=mean(self.fraction),
-            mean_prob=mean(self.mean_prob),
-            seq_aux=mean(self.seq_aux),
-            z_loss=mean(self.z_loss),
-            load=jax.lax.psum(self.load, axis_name),
-            dropped_fraction=mean(self.dropped_fraction),
+            fraction=mean(self.fraction, every),
+            mean_prob=mean(self.mean_prob, every),
+            seq_fraction=seq_fraction,
+            seq_prob=seq_prob,
+            z_loss=mean(self.z_loss, every),
+            load=mean(load, copy_axes),
+            dropped_fraction=mean(self.dropped_fraction, every),
         )
 
 
+def _gather_rows(x: jax.Array, axes) -> jax.Array:
+    """All shards' rows, stacked in mesh order, as a replicated value (a psum of
+    zero-padded shards, which JAX knows to be the same on every device)."""
+    shards = jax.lax.psum(1, axes)
+    index = jax.lax.axis_index(axes)
+    full = jnp.zeros((shards * x.shape[0], *x.shape[1:]), x.dtype)
+    full = jax.lax.dynamic_update_slice_in_dim(full, x, index * x.shape[0], 0)
+    return jax.lax.psum(full, axes)
+
+
 def router_stats(routing: Routing, batch_size: int, load: jax.Array) -> RouterStats:
-    fraction, mean_prob = _fraction_and_prob(
-        routing.expert_index, routing.probs, routing.probs.shape[-1]
+    num_experts = routing.probs.shape[-1]
+    fraction, mean_prob = _fraction_and_prob(routing.expert_index, routing.probs, num_experts)
+    k = routing.expert_index.shape[-1]
+    seq_fraction, seq_prob = _fraction_and_prob(
+        routing.expert_index.reshape(batch_size, -1, k),
+        routing.probs.reshape(batch_size, -1, num_experts),
+        num_experts,
     )
     return RouterStats(
         fraction=fraction,
         mean_prob=mean_prob,
-        seq_aux=sequence_balancing_loss(routing, batch_size),
+        seq_fraction=seq_fraction,
+        seq_prob=seq_prob,
         z_loss=router_z_loss(routing),
         load=load,
         dropped_fraction=1.0 - routing.keep.mean(),

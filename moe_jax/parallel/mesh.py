@@ -16,7 +16,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moe_jax.config import Config
-from moe_jax.parallel.expert_parallel import allgather_moe
+from moe_jax.parallel.expert_parallel import allgather_moe, alltoall_moe
 from moe_jax.parallel.layout import Layout, local_attention
 from moe_jax.parallel.ulysses import ulysses_attention
 
@@ -25,7 +25,7 @@ ATTENTION = {
     "dp": (local_attention, ("data", "intra"), ()),
     "sp": (ulysses_attention, ("data",), ("intra",)),
 }
-EXPERTS = {"ep_ag": allgather_moe}
+EXPERTS = {"ep_ag": allgather_moe, "ep_a2a": alltoall_moe}
 # Logical parameter axes -> mesh axes (everything else is replicated).
 PARAM_RULES = {"experts": "intra"}
 
