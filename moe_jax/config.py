@@ -126,7 +126,8 @@ class ParallelConfig:
     """The plan: how each block kind is laid out on a (data, intra) device mesh."""
 
     attention: str = "dp"  # dp (batch split) or sp (Ulysses sequence parallel)
-    experts: str = "ep_ag"  # ep_ag (all-gather, reduce-scatter) or ep_a2a (all-to-all)
+    experts: str = "auto"  # ep_ag (all-gather, reduce-scatter), ep_a2a (all-to-all) or auto
+    ag_threshold: float = 0.75  # auto picks ep_ag when moe.top_k / intra exceeds this
     intra: int = 1  # n: devices of one intra-node group (experts and sequence split here)
     data: int = 0  # data-parallel groups; 0 = all devices not used by intra
 
@@ -157,7 +158,7 @@ SECTIONS = {
 DATA_SOURCES = ("stdlib", "tokens", "synthetic")
 SCHEDULES = ("cosine", "linear")
 ATTENTION_LAYOUTS = ("dp", "sp")
-EXPERT_LAYOUTS = ("ep_ag", "ep_a2a")
+EXPERT_LAYOUTS = ("ep_ag", "ep_a2a", "auto")
 
 
 def to_config_dict(config: Config) -> ml_collections.ConfigDict:
@@ -323,6 +324,7 @@ def validate(config: Config) -> None:
         f"valid: {ATTENTION_LAYOUTS}",
     )
     _check(p.experts in EXPERT_LAYOUTS, "parallel.experts", p.experts, f"valid: {EXPERT_LAYOUTS}")
+    _check(p.ag_threshold > 0, "parallel.ag_threshold", p.ag_threshold, "must be > 0")
     profile_steps(config.profile)
 
 

@@ -158,3 +158,18 @@ def test_trainer_runs_each_layout(tmp_path, attention: str, experts: str, data: 
     assert rows[-1]["plan_attention"] == attention
     assert rows[-1]["plan_experts"] == experts
     assert (rows[-1]["plan_data"], rows[-1]["plan_intra"]) == (8 // intra, intra)
+
+
+@pytest.mark.parametrize(
+    "top_k,intra,expected", [(2, 8, "ep_a2a"), (7, 8, "ep_ag"), (4, 4, "ep_ag")]
+)
+def test_auto_expert_layout_follows_the_papers_rule(top_k: int, intra: int, expected: str):
+    """All-gather once top_k / n exceeds 0.75 (Mixtral-8x7B, n=8: faster for top-k > 6)."""
+    config = dataclasses.replace(
+        BASE,
+        moe=dataclasses.replace(BASE.moe, top_k=top_k),
+        parallel=ParallelConfig(experts="auto", intra=intra),
+    )
+    resolved = mesh_lib.resolve(config, 8)
+    assert resolved.parallel.experts == expected
+    assert resolved.parallel.data == 8 // intra

@@ -30,17 +30,28 @@ EXPERTS = {"ep_ag": allgather_moe, "ep_a2a": alltoall_moe}
 PARAM_RULES = {"experts": "intra"}
 
 
-def resolve(config: Config, num_devices: int) -> Config:
-    """The config with `parallel.data=0` replaced by the devices left over by `intra`."""
+def expert_layout(config: Config) -> str:
+    """`parallel.experts`, with `auto` decided by the paper's rule: the all-gather form
+    once top-k is large relative to the group (ring collectives talk to neighbours
+    only; the all-to-all's volume grows with k), the all-to-all form otherwise."""
     p = config.parallel
-    if p.data:
-        return config
-    if num_devices % p.intra:
-        raise ValueError(
-            f"parallel.intra={p.intra} must divide the {num_devices} devices "
-            "(or set parallel.data explicitly)"
-        )
-    return dataclasses.replace(config, parallel=dataclasses.replace(p, data=num_devices // p.intra))
+    if p.experts != "auto":
+        return p.experts
+    return "ep_ag" if config.moe.top_k / p.intra > p.ag_threshold else "ep_a2a"
+
+
+def resolve(config: Config, num_devices: int) -> Config:
+    """The plan made concrete: `parallel.data=0` becomes the devices left over by
+    `intra`, and `parallel.experts='auto'` the layout the rule picks."""
+    p = dataclasses.replace(config.parallel, experts=expert_layout(config))
+    if not p.data:
+        if num_devices % p.intra:
+            raise ValueError(
+                f"parallel.intra={p.intra} must divide the {num_devices} devices "
+                "(or set parallel.data explicitly)"
+            )
+        p = dataclasses.replace(p, data=num_devices // p.intra)
+    return dataclasses.replace(config, parallel=p)
 
 
 def check_plan(config: Config, num_devices: int) -> None:
@@ -106,7 +117,7 @@ def make_layout(config: Config, mesh: Mesh) -> Layout:
     return Layout(
         mesh=mesh,
         attention_fn=attention,
-        moe_fn=EXPERTS[config.parallel.experts],
+        moe_fn=EXPERTS[expert_layout(config)],
         batch_axes=batch_axes,
         seq_axes=seq_axes,
     )
