@@ -173,3 +173,42 @@ def test_auto_expert_layout_follows_the_papers_rule(top_k: int, intra: int, expe
     resolved = mesh_lib.resolve(config, 8)
     assert resolved.parallel.experts == expected
     assert resolved.parallel.data == 8 // intra
+
+
+def _three_steps(config: Config, layout=None):
+    from moe_jax.train_step import init_state, train_step
+
+    kwargs = {} if layout is None else {"layout": layout}
+    graphdef, state = init_state(config, **kwargs)
+    batch = _batch()
+    if layout is not None:
+        state = jax.device_put(state, mesh_lib.state_shardings(state, layout.mesh))
+        sharding = mesh_lib.batch_sharding(layout)
+        batch = {k: jax.device_put(v, sharding) for k, v in batch.items()}
+    step = jax.jit(partial(train_step, graphdef, config))
+    for _ in range(3):
+        state, _ = step(state, batch)
+    return state
+
+
+@pytest.mark.parametrize(
+    "attention,experts,data,intra", [("sp", "ep_a2a", 2, 4), ("dp", "ep_ag", 1, 8)]
+)
+def test_three_optimizer_steps_match_single_device(attention, experts, data, intra):
+    """Params and router biases (sign-rule updates included) after three AdamW steps."""
+    single = dataclasses.replace(BASE, moe=dataclasses.replace(BASE.moe, bias_update_rate=1e-3))
+    config = dataclasses.replace(
+        single, parallel=_with_plan(attention, data, intra, experts).parallel
+    )
+    layout = mesh_lib.make_layout(config, mesh_lib.make_mesh(config))
+    got, want = _three_steps(config, layout), _three_steps(single)
+    pairs = zip(
+        jax.tree.leaves_with_path((want.params, want.biases)),
+        jax.tree.leaves((got.params, got.biases)),
+        strict=True,
+    )
+    for (path, expected), actual in pairs:
+        scale = float(np.abs(expected).max())
+        np.testing.assert_allclose(
+            actual, expected, rtol=1e-5, atol=1e-5 * scale, err_msg=jax.tree_util.keystr(path)
+        )
