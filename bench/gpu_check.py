@@ -18,12 +18,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from timing import median_seconds
 
 from moe_jax.config import MoEConfig
 from moe_jax.moe.block import MoE, RouterBias
@@ -65,17 +65,6 @@ def check_correctness(tokens: int, dim: int) -> dict[str, float]:
     return worst
 
 
-def _time(fn, *args, repeats: int) -> float:
-    compiled = fn.lower(*args).compile()
-    jax.block_until_ready(compiled(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
-
-
 def time_block(tokens: int, dim: int, width: int, repeats: int) -> dict:
     results = {}
     for dtype in (jnp.float32, jnp.bfloat16):
@@ -86,7 +75,7 @@ def time_block(tokens: int, dim: int, width: int, repeats: int) -> dict:
             h = jax.nn.silu(rows @ w[0]) * (rows @ w[1])
             return jnp.mean(jnp.square((h @ w[2].T).astype(jnp.float32)))
 
-        base = _time(jax.jit(jax.grad(dense, argnums=(0, 1))), w, rows, repeats=repeats)
+        base = median_seconds(jax.jit(jax.grad(dense, argnums=(0, 1))), (w, rows), repeats)
         name = jnp.dtype(dtype).name
         results[f"{name}/matmul_ms"] = round(base * 1e3, 3)
         x = jax.random.normal(jax.random.key(2), (tokens // 1024, 1024, dim))
@@ -102,7 +91,7 @@ def time_block(tokens: int, dim: int, width: int, repeats: int) -> dict:
                     z_loss_coef=0.0,
                 )
                 fn, params = _grad_fn(cfg, dim, dtype)
-                seconds = _time(fn, params, x, repeats=repeats)
+                seconds = median_seconds(fn, (params, x), repeats)
                 results[f"{name}/E{experts}/{impl}_ms"] = round(seconds * 1e3, 3)
                 results[f"{name}/E{experts}/{impl}_vs_matmul"] = round(base / seconds, 3)
     return results

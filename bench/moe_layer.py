@@ -16,11 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import time
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from timing import median_seconds
 
 from moe_jax.config import MoEConfig
 from moe_jax.moe.block import MoE, RouterBias
@@ -28,19 +28,6 @@ from moe_jax.moe.experts import resolve_impl
 from moe_jax.moe.routing import route
 
 DIM, WIDTH, TOP_K, CAPACITY = 512, 1024, 2, 1.25
-
-
-def timed(fn, args, repeats: int) -> float:
-    """Median seconds per call of the compiled `fn` (one untimed warm-up when repeated)."""
-    compiled = fn.lower(*args).compile()
-    if repeats > 1:
-        jax.block_until_ready(compiled(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
 
 
 def block_step(cfg: MoEConfig, tokens: int):
@@ -127,7 +114,7 @@ def main() -> None:
     results = {name: {"ms": [], "gflops": []} for name in impls}
     for e in experts:
         # The baseline is re-measured beside each expert count: this machine is noisy.
-        matmul_times.append(timed(matmul_fn, matmul_args, args.repeats))
+        matmul_times.append(median_seconds(matmul_fn, matmul_args, args.repeats))
         matmul_gflops = matmul_flops / matmul_times[-1] / 1e9
         print(f"E={e:3d} matmul     {matmul_times[-1] * 1e3:9.1f} ms {matmul_gflops:7.1f} GFLOP/s")
         for name in impls:
@@ -143,7 +130,7 @@ def main() -> None:
                 fn, fn_args = block_step(cfg, args.tokens)
             # These do many times the useful work (ragged_dot lowers densely on CPU).
             slow = name in ("dense", "onehot") or (name == "ragged_dot" and e > 8)
-            seconds = timed(fn, fn_args, 1 if slow else args.repeats)
+            seconds = median_seconds(fn, fn_args, 1 if slow else args.repeats)
             gflops = useful_flops(args.tokens, e) / seconds / 1e9
             results[name]["ms"].append(round(seconds * 1e3, 2))
             results[name]["gflops"].append(round(gflops, 2))
