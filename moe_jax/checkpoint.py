@@ -32,16 +32,13 @@ def _flat(config: dict[str, Any]) -> dict[str, Any]:
 class Checkpointer:
     """The checkpoints of one run directory."""
 
-    def __init__(self, directory: Path, keep: int, save_every: int):
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep,
-            save_interval_steps=max(save_every, 1),
-            enable_async_checkpointing=True,
-            create=False,
+    def __init__(self, directory: Path, keep: int):
+        # Which steps to save is the trainer's call; the manager only keeps the last K.
+        self._options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, enable_async_checkpointing=True, create=False
         )
         self.directory = Path(directory).absolute()
         self._manager = None
-        self._options = options
 
     @property
     def manager(self) -> ocp.CheckpointManager:
@@ -72,7 +69,7 @@ class Checkpointer:
                     "use a new --workdir or the matching config"
                 )
 
-    def save(self, step: int, state, data_state: dict, config: dict, force: bool = False) -> bool:
+    def save(self, step: int, state, data_state: dict, config: dict) -> bool:
         """Starts an asynchronous save; returns whether one was started."""
         self.directory.mkdir(parents=True, exist_ok=True)
         if step in self.manager.all_steps():
@@ -84,7 +81,6 @@ class Checkpointer:
                 data=ocp.args.JsonSave(data_state),
                 config=ocp.args.JsonSave(config),
             ),
-            force=force,
         )
 
     def restore(self, step: int, like):

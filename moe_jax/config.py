@@ -169,25 +169,23 @@ def to_config_dict(config: Config) -> ml_collections.ConfigDict:
 def load(config: ml_collections.ConfigDict | dict[str, Any]) -> Config:
     """Builds the typed config from a config dict and validates it."""
     raw = config.to_dict() if isinstance(config, ml_collections.ConfigDict) else dict(config)
-    sections = {f.name: f.type for f in dataclasses.fields(Config)}
-    unknown = sorted(set(raw) - set(sections))
+    unknown = sorted(set(raw) - set(SECTIONS))
     if unknown:
-        raise ValueError(f"unknown config section {unknown[0]!r}; valid: {sorted(sections)}")
+        raise ValueError(f"unknown config section {unknown[0]!r}; valid: {sorted(SECTIONS)}")
     kwargs = {}
-    for field in dataclasses.fields(Config):
-        cls = SECTIONS[field.name]
-        values = raw.get(field.name, {})
+    for section, cls in SECTIONS.items():
+        values = raw.get(section, {})
         if not isinstance(values, dict):
-            raise ValueError(f"config section {field.name!r} must be a mapping of settings")
-        names = {f.name for f in dataclasses.fields(cls)}
-        bad = sorted(set(values) - names)
+            raise ValueError(f"config section {section!r} must be a mapping of settings")
+        defaults = dataclasses.asdict(cls())
+        bad = sorted(set(values) - set(defaults))
         if bad:
             raise ValueError(
-                f"unknown setting {field.name}.{bad[0]}; valid settings: {sorted(names)}"
+                f"unknown setting {section}.{bad[0]}; valid settings: {sorted(defaults)}"
             )
         for name, value in values.items():
-            _check_type(f"{field.name}.{name}", value, getattr(cls(), name))
-        kwargs[field.name] = cls(**values)
+            _check_type(f"{section}.{name}", value, defaults[name])
+        kwargs[section] = cls(**values)
     result = Config(**kwargs)
     validate(result)
     return result

@@ -83,7 +83,7 @@ def run(config: config_lib.Config, workdir: str | Path) -> dict[str, Any]:
     workdir = Path(workdir)
     tc = config.train
     process, processes = jax.process_index(), jax.process_count()
-    checkpoints = Checkpointer(workdir / "checkpoints", tc.keep_checkpoints, tc.checkpoint_every)
+    checkpoints = Checkpointer(workdir / "checkpoints", tc.keep_checkpoints)
     try:
         config = mesh_lib.resolve(config, jax.device_count())
         mesh_lib.check_plan(config, jax.device_count())
@@ -124,9 +124,7 @@ def run(config: config_lib.Config, workdir: str | Path) -> dict[str, Any]:
     plan = {f"plan_{k}": v for k, v in dataclasses.asdict(config.parallel).items()}
     last: dict[str, Any] = {}
     bad_in_a_row = 0
-    save = lambda step, force=False: checkpoints.save(
-        step, state, train_batches.get_state(), config_dict, force=force
-    )
+    save = lambda step: checkpoints.save(step, state, train_batches.get_state(), config_dict)
     try:
         with _StopRequest() as stop:
             clock, clock_step = time.perf_counter(), start
@@ -165,7 +163,7 @@ def run(config: config_lib.Config, workdir: str | Path) -> dict[str, Any]:
                     last = {**last, **val}
                     clock, clock_step = time.perf_counter(), step
                 if stop.signal is not None:
-                    save(step, force=True)
+                    save(step)
                     checkpoints.wait()
                     name = signal.Signals(stop.signal).name
                     print(f"{name}: saved step {step} in {checkpoints.directory}", flush=True)
@@ -173,7 +171,7 @@ def run(config: config_lib.Config, workdir: str | Path) -> dict[str, Any]:
                 if tc.checkpoint_every and step % tc.checkpoint_every == 0:
                     save(step)
             if tc.steps > start:
-                save(tc.steps, force=True)
+                save(tc.steps)
     finally:
         checkpoints.close()
         logger.close()

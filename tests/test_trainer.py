@@ -52,7 +52,7 @@ def tiny_config(**train) -> config_lib.Config:
     return cfg
 
 
-def _env(tmp_path_factory=None) -> dict[str, str]:
+def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONUNBUFFERED"] = "1"
@@ -61,6 +61,13 @@ def _env(tmp_path_factory=None) -> dict[str, str]:
 
 def _train_cmd(workdir: Path, *args: str) -> list[str]:
     return [sys.executable, "-m", "moe_jax.train", f"--workdir={workdir}", *args]
+
+
+def _start(cmd: list[str]) -> subprocess.Popen:
+    """A training process in the background, its output captured as text."""
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 def _snapshot(directory: Path) -> dict[str, str]:
@@ -82,7 +89,7 @@ def _wait_for(predicate, timeout: float, proc: subprocess.Popen | None = None) -
 
 
 def _final_params(workdir: Path, config: config_lib.Config):
-    checkpoints = Checkpointer(workdir / "checkpoints", 3, 1)
+    checkpoints = Checkpointer(workdir / "checkpoints", 3)
     _, like = init_state(config)
     state, _ = checkpoints.restore(checkpoints.latest_step(), like)
     checkpoints.close()
@@ -128,13 +135,7 @@ def test_exact_resume_after_sigkill(tmp_path: Path):
     done = subprocess.run(_train_cmd(straight, *args), cwd=ROOT, env=_env(), capture_output=True)
     assert done.returncode == 0, done.stderr[-3000:]
 
-    proc = subprocess.Popen(
-        _train_cmd(resumed, *args),
-        cwd=ROOT,
-        env=_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
+    proc = _start(_train_cmd(resumed, *args))
     _wait_for(lambda: (resumed / "checkpoints" / str(n)).is_dir(), 240, proc)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -181,13 +182,7 @@ def test_kill_during_async_save_resumes_from_previous(tmp_path: Path):
     run = tmp_path / "run"
     args = [*TINY, "--config.train.steps=6", "--config.train.checkpoint_every=2"]
     args += ["--config.train.eval_every=0", f"--workdir={run}"]
-    proc = subprocess.Popen(
-        [sys.executable, "-c", KILL_DURING_SAVE, *args],
-        cwd=ROOT,
-        env=_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
+    proc = _start([sys.executable, "-c", KILL_DURING_SAVE, *args])
     checkpoints = run / "checkpoints"
     _wait_for(lambda: checkpoints.is_dir() and list(checkpoints.glob("4.*tmp*")), 240, proc)
     time.sleep(0.5)
@@ -206,14 +201,7 @@ def test_kill_during_async_save_resumes_from_previous(tmp_path: Path):
 def test_sigterm_saves_and_exits_zero(tmp_path: Path):
     run = tmp_path / "run"
     args = [*TINY, "--config.train.steps=100000", "--config.train.checkpoint_every=0"]
-    proc = subprocess.Popen(
-        _train_cmd(run, *args),
-        cwd=ROOT,
-        env=_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = _start(_train_cmd(run, *args))
     _wait_for(lambda: len(read_rows(run / "metrics.jsonl")) >= 3, 240, proc)
     proc.send_signal(signal.SIGTERM)
     sent = time.time()

@@ -18,7 +18,7 @@ from moe_jax.config import MoEConfig
 from moe_jax.model.axes import constrain, param
 from moe_jax.model.layers import MLP
 from moe_jax.moe import experts, losses
-from moe_jax.moe.routing import Routing, expert_load, route
+from moe_jax.moe.routing import Routing, route
 from moe_jax.parallel.layout import SINGLE_DEVICE, Layout
 
 
@@ -73,13 +73,9 @@ def moe_forward(
     routing = route(tokens, params.router, params.bias, cfg)
     local = params.experts.gate.shape[0]
     compute_cfg = dataclasses.replace(cfg, num_experts=local)
-    if local != cfg.num_experts:
-        routing_local = _only_experts(routing, first_expert, local)
-    else:
-        routing_local = routing
     impl = experts.IMPLS[experts.resolve_impl(compute_cfg)]
-    y = impl(tokens, routing_local, params.experts, compute_cfg)
-    stats = losses.router_stats(routing, batch, expert_load(routing, cfg.num_experts))
+    y = impl(tokens, _only_experts(routing, first_expert, local), params.experts, compute_cfg)
+    stats = losses.router_stats(routing, batch)
     return y, stats
 
 

@@ -15,38 +15,33 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from moe_jax.moe.routing import Routing
+from moe_jax.moe.routing import Routing, expert_load
 
 
-def _balance(expert_index: jax.Array, probs: jax.Array, num_experts: int) -> jax.Array:
-    """E * sum_i f_i P_i over the leading token axis of [..., T, k] and [..., T, E]."""
-    one_hot = jax.nn.one_hot(expert_index, num_experts, dtype=jnp.float32)  # [..., T, k, E]
-    fraction = one_hot.sum(-2).mean(-2) / expert_index.shape[-1]
-    mean_prob = probs.mean(-2)
-    return num_experts * (jax.lax.stop_gradient(fraction) * mean_prob).sum(-1)
+def _fraction_and_prob(expert_index: jax.Array, probs: jax.Array, num_experts: int):
+    """(f, P) over the token axis of [..., T, k] expert indices and [..., T, E] probs."""
+    one_hot = jax.nn.one_hot(expert_index, num_experts, dtype=jnp.float32)
+    return one_hot.sum(-2).mean(-2) / expert_index.shape[-1], probs.mean(-2)
+
+
+def _balance(fraction: jax.Array, mean_prob: jax.Array) -> jax.Array:
+    """E * sum_i f_i P_i; f counts decisions, so only P carries gradient."""
+    return fraction.shape[-1] * (jax.lax.stop_gradient(fraction) * mean_prob).sum(-1)
 
 
 def load_balancing_loss(routing: Routing) -> jax.Array:
     """Switch-style loss over all tokens of the call."""
-    return _balance(routing.expert_index, routing.probs, routing.probs.shape[-1])
+    return router_stats(routing, 1).aux_loss()
 
 
 def sequence_balancing_loss(routing: Routing, batch_size: int) -> jax.Array:
     """Per-sequence variant: balance inside each of `batch_size` sequences, then average."""
-    num_experts = routing.probs.shape[-1]
-    index = routing.expert_index.reshape(batch_size, -1, routing.expert_index.shape[-1])
-    probs = routing.probs.reshape(batch_size, -1, num_experts)
-    return _balance(index, probs, num_experts).mean()
+    return router_stats(routing, batch_size).seq_aux_loss()
 
 
 def router_z_loss(routing: Routing) -> jax.Array:
     """Penalises large router logits, which keeps the fp32 router numerically tame."""
     return jnp.mean(jnp.square(jax.nn.logsumexp(routing.logits, axis=-1)))
-
-
-def _fraction_and_prob(expert_index: jax.Array, probs: jax.Array, num_experts: int):
-    one_hot = jax.nn.one_hot(expert_index, num_experts, dtype=jnp.float32)
-    return one_hot.sum(-2).mean(-2) / expert_index.shape[-1], probs.mean(-2)
 
 
 @jax.tree_util.register_dataclass
@@ -64,13 +59,10 @@ class RouterStats:
     dropped_fraction: jax.Array
 
     def aux_loss(self) -> jax.Array:
-        num_experts = self.fraction.shape[-1]
-        return num_experts * (jax.lax.stop_gradient(self.fraction) * self.mean_prob).sum(-1)
+        return _balance(self.fraction, self.mean_prob)
 
     def seq_aux_loss(self) -> jax.Array:
-        num_experts = self.seq_fraction.shape[-1]
-        per_sequence = (jax.lax.stop_gradient(self.seq_fraction) * self.seq_prob).sum(-1)
-        return num_experts * per_sequence.mean(-1)
+        return _balance(self.seq_fraction, self.seq_prob).mean(-1)
 
     def combine(self, batch_axes=(), seq_axes=(), copy_axes=()) -> RouterStats:
         """Whole-batch statistics from equal shards spread over mesh axes.
@@ -107,7 +99,8 @@ def _gather_rows(x: jax.Array, axes) -> jax.Array:
     return jax.lax.psum(full, axes)
 
 
-def router_stats(routing: Routing, batch_size: int, load: jax.Array) -> RouterStats:
+def router_stats(routing: Routing, batch_size: int) -> RouterStats:
+    """The statistics of `routing` over `batch_size` whole sequences."""
     num_experts = routing.probs.shape[-1]
     fraction, mean_prob = _fraction_and_prob(routing.expert_index, routing.probs, num_experts)
     k = routing.expert_index.shape[-1]
@@ -122,6 +115,6 @@ def router_stats(routing: Routing, batch_size: int, load: jax.Array) -> RouterSt
         seq_fraction=seq_fraction,
         seq_prob=seq_prob,
         z_loss=router_z_loss(routing),
-        load=load,
+        load=expert_load(routing, num_experts),
         dropped_fraction=1.0 - routing.keep.mean(),
     )

@@ -29,7 +29,7 @@ from moe_jax.moe import dispatch as dsp
 from moe_jax.moe import experts as expert_impls
 from moe_jax.moe.experts import ExpertWeights
 from moe_jax.moe.losses import router_stats
-from moe_jax.moe.routing import Routing, expert_load, route
+from moe_jax.moe.routing import Routing, route
 
 INTRA, DATA = "intra", "data"
 
@@ -102,7 +102,7 @@ def alltoall_moe(layout, forward, x: jax.Array, params, cfg):
         )
         results = _exchange(impl(rows, received, params.experts, compute_cfg))
         y = dsp.combine(results, layout_out, routing).reshape(x.shape)
-        stats = router_stats(routing, batch, expert_load(routing, cfg.num_experts))
+        stats = router_stats(routing, batch)
         return y, stats.combine(batch_axes=layout.batch_axes, seq_axes=layout.seq_axes)
 
     return jax.shard_map(body, mesh=mesh, in_specs=(x_spec, param_spec), out_specs=(x_spec, P()))(
