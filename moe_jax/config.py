@@ -125,11 +125,12 @@ class DataConfig:
 class ParallelConfig:
     """The plan: how each block kind is laid out on a (data, intra) device mesh."""
 
-    attention: str = "dp"  # dp (batch split) or sp (Ulysses sequence parallel)
-    experts: str = "auto"  # ep_ag (all-gather, reduce-scatter), ep_a2a (all-to-all) or auto
+    attention: str = "dp"  # dp, fsdp, tp (Megatron + sequence-parallel norms), sp (Ulysses)
+    experts: str = "auto"  # ep_ag, ep_a2a, etp (expert width split), ep_etp, or auto
     ag_threshold: float = 0.75  # auto picks ep_ag when moe.top_k / intra exceeds this
     intra: int = 1  # n: devices of one intra-node group (experts and sequence split here)
     data: int = 0  # data-parallel groups; 0 = all devices not used by intra
+    etp: int = 2  # experts=ep_etp: devices splitting each expert's width (intra / etp own experts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,8 +158,8 @@ SECTIONS = {
 }
 DATA_SOURCES = ("stdlib", "tokens", "synthetic")
 SCHEDULES = ("cosine", "linear")
-ATTENTION_LAYOUTS = ("dp", "sp")
-EXPERT_LAYOUTS = ("ep_ag", "ep_a2a", "auto")
+ATTENTION_LAYOUTS = ("dp", "fsdp", "tp", "sp")
+EXPERT_LAYOUTS = ("ep_ag", "ep_a2a", "etp", "ep_etp", "auto")
 
 
 def to_config_dict(config: Config) -> ml_collections.ConfigDict:
@@ -322,6 +323,7 @@ def validate(config: Config) -> None:
         f"valid: {ATTENTION_LAYOUTS}",
     )
     _check(p.experts in EXPERT_LAYOUTS, "parallel.experts", p.experts, f"valid: {EXPERT_LAYOUTS}")
+    _positive(p, "parallel", "etp")
     _check(p.ag_threshold > 0, "parallel.ag_threshold", p.ag_threshold, "must be > 0")
     profile_steps(config.profile)
 

@@ -17,7 +17,17 @@ from moe_jax.model.attention import Attention
 from moe_jax.model.transformer import Transformer
 from moe_jax.train_step import init_state, train_step
 
-LOGICAL_AXES = {"layers", "embed", "heads", "kv_heads", "head_dim", "mlp", "experts", "vocab"}
+LOGICAL_AXES = {
+    "layers",
+    "embed",
+    "heads",
+    "kv_heads",
+    "head_dim",
+    "mlp",
+    "experts",
+    "expert_mlp",
+    "vocab",
+}
 
 
 def _naive_attention(x, wq, wk, wv, wo, theta):

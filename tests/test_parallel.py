@@ -45,8 +45,8 @@ def _loss_and_grads(config: Config, layout=None):
     grad_fn = jax.value_and_grad(partial(loss_fn, graphdef=graphdef, config=config), has_aux=True)
     fn = jax.jit(lambda params, biases, batch: grad_fn(params, biases, batch=batch))
     if layout is not None:
-        params = jax.device_put(params, mesh_lib.state_shardings(params, layout.mesh))
-        biases = jax.device_put(biases, mesh_lib.state_shardings(biases, layout.mesh))
+        params = jax.device_put(params, mesh_lib.state_shardings(params, layout))
+        biases = jax.device_put(biases, mesh_lib.state_shardings(biases, layout))
         sharding = mesh_lib.batch_sharding(layout)
         batch = {k: jax.device_put(v, sharding) for k, v in batch.items()}
     (loss, metrics), grads = fn(params, biases, batch)
@@ -60,7 +60,9 @@ def single_device():
 
 
 MESHES = [(2, 4), (1, 8)]
-PLANS = [(a, e, d, n) for a in ("dp", "sp") for e in ("ep_ag", "ep_a2a") for d, n in MESHES]
+ATTENTION = ("dp", "fsdp", "tp", "sp")
+EXPERTS = ("ep_ag", "ep_a2a", "etp", "ep_etp")
+PLANS = [(a, e, d, n) for a in ATTENTION for e in EXPERTS for d, n in MESHES]
 
 
 @pytest.mark.parametrize("attention,experts,data,intra", PLANS)
@@ -182,7 +184,7 @@ def _three_steps(config: Config, layout=None):
     graphdef, state = init_state(config, **kwargs)
     batch = _batch()
     if layout is not None:
-        state = jax.device_put(state, mesh_lib.state_shardings(state, layout.mesh))
+        state = jax.device_put(state, mesh_lib.state_shardings(state, layout))
         sharding = mesh_lib.batch_sharding(layout)
         batch = {k: jax.device_put(v, sharding) for k, v in batch.items()}
     step = jax.jit(partial(train_step, graphdef, config))

@@ -2,14 +2,50 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from moe_jax.config import ModelConfig
-from moe_jax.model.axes import constrain, param
+from moe_jax.model.axes import param
 from moe_jax.model.layers import rotary
 from moe_jax.parallel.layout import SINGLE_DEVICE, Layout
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionWeights:
+    query: jax.Array  # [d, h, head_dim]
+    key: jax.Array  # [d, kv, head_dim]
+    value: jax.Array  # [d, kv, head_dim]
+    out: jax.Array  # [h, head_dim, d]
+
+
+AXES = AttentionWeights(
+    query=("embed", "heads", "head_dim"),
+    key=("embed", "kv_heads", "head_dim"),
+    value=("embed", "kv_heads", "head_dim"),
+    out=("heads", "head_dim", "embed"),
+)
+
+Attend = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+def attention_block(
+    x: jax.Array, positions: jax.Array, w: AttentionWeights, attend: Attend, *, theta: float
+) -> jax.Array:
+    """Project, rotate, `attend` ([b, s, heads, head_dim] q/k/v -> like q), project out.
+
+    Works on whatever heads `w` holds, so a layout can hand it a head shard.
+    """
+    q = rotary(jnp.einsum("bsd,dhk->bshk", x, w.query), positions, theta)
+    k = rotary(jnp.einsum("bsd,dhk->bshk", x, w.key), positions, theta)
+    v = jnp.einsum("bsd,dhk->bshk", x, w.value)
+    return jnp.einsum("bshk,hkd->bsd", attend(q, k, v), w.out)
 
 
 class Attention(nnx.Module):
@@ -17,21 +53,15 @@ class Attention(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, layout: Layout = SINGLE_DEVICE):
         d, h, kv, hd = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.query = param(rngs, (d, h, hd), ("embed", "heads", "head_dim"))
-        self.key = param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"))
-        self.value = param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"))
-        self.out = param(rngs, (h, hd, d), ("heads", "head_dim", "embed"), fan_in=h * hd)
+        self.query = param(rngs, (d, h, hd), AXES.query)
+        self.key = param(rngs, (d, kv, hd), AXES.key)
+        self.value = param(rngs, (d, kv, hd), AXES.value)
+        self.out = param(rngs, (h, hd, d), AXES.out, fan_in=h * hd)
         self.rope_theta = cfg.rope_theta
         self.layout = layout
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        dtype = x.dtype
-        q = jnp.einsum("bsd,dhk->bshk", x, self.query[...].astype(dtype))
-        k = jnp.einsum("bsd,dhk->bshk", x, self.key[...].astype(dtype))
-        v = jnp.einsum("bsd,dhk->bshk", x, self.value[...].astype(dtype))
-        q = constrain(rotary(q, positions, self.rope_theta), ("batch", "seq", "heads", None))
-        k = constrain(rotary(k, positions, self.rope_theta), ("batch", "seq", "kv_heads", None))
-        v = constrain(v, ("batch", "seq", "kv_heads", None))
-        o = self.layout.attend(q, k, v)
-        o = constrain(o, ("batch", "seq", "heads", None))
-        return jnp.einsum("bshk,hkd->bsd", o, self.out[...].astype(dtype))
+        params = (self.query, self.key, self.value, self.out)
+        w = AttentionWeights(*(p[...].astype(x.dtype) for p in params))
+        block = partial(attention_block, theta=self.rope_theta)
+        return self.layout.attention(block, x, positions, w, AXES)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moe_jax.model.axes import constrain, ones_param, param
+from moe_jax.model.axes import ones_param, param
+from moe_jax.parallel.layout import SINGLE_DEVICE, Layout
 
 
 class RMSNorm(nnx.Module):
@@ -47,16 +50,31 @@ def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     return out.astype(x.dtype)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MLPWeights:
+    gate: jax.Array  # [d, hidden]
+    up: jax.Array  # [d, hidden]
+    down: jax.Array  # [hidden, d]
+
+
+MLP_AXES = MLPWeights(gate=("embed", "mlp"), up=("embed", "mlp"), down=("mlp", "embed"))
+
+
+def mlp_block(x: jax.Array, w: MLPWeights) -> jax.Array:
+    """SwiGLU on whatever hidden columns `w` holds (a layout may hand it a shard)."""
+    return (jax.nn.silu(x @ w.gate) * (x @ w.up)) @ w.down
+
+
 class MLP(nnx.Module):
     """SwiGLU feed-forward: down(silu(x @ gate) * (x @ up))."""
 
-    def __init__(self, dim: int, hidden: int, *, rngs: nnx.Rngs):
-        self.gate = param(rngs, (dim, hidden), ("embed", "mlp"))
-        self.up = param(rngs, (dim, hidden), ("embed", "mlp"))
-        self.down = param(rngs, (hidden, dim), ("mlp", "embed"))
+    def __init__(self, dim: int, hidden: int, *, rngs: nnx.Rngs, layout: Layout = SINGLE_DEVICE):
+        self.gate = param(rngs, (dim, hidden), MLP_AXES.gate)
+        self.up = param(rngs, (dim, hidden), MLP_AXES.up)
+        self.down = param(rngs, (hidden, dim), MLP_AXES.down)
+        self.layout = layout
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        dtype = x.dtype
-        h = jax.nn.silu(x @ self.gate[...].astype(dtype)) * (x @ self.up[...].astype(dtype))
-        h = constrain(h, ("batch", "seq", "mlp"))
-        return h @ self.down[...].astype(dtype)
+        w = MLPWeights(*(p[...].astype(x.dtype) for p in (self.gate, self.up, self.down)))
+        return self.layout.mlp(mlp_block, x, w, MLP_AXES)

@@ -28,7 +28,7 @@ class Block(nnx.Module):
         self.attn = Attention(cfg, rngs=rngs, layout=layout)
         self.ffn_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
         if moe is None:
-            self.ffn = MLP(cfg.embed_dim, cfg.mlp_dim, rngs=rngs)
+            self.ffn = MLP(cfg.embed_dim, cfg.mlp_dim, rngs=rngs, layout=layout)
         else:
             self.ffn = MoE(cfg.embed_dim, moe, rngs=rngs, layout=layout)
 

@@ -88,11 +88,11 @@ class MoE(nnx.Module):
         self.layout = layout
         self.router = param(rngs, (dim, e), ("embed", None))
         self.bias = RouterBias(jnp.zeros((e,), jnp.float32))
-        self.gate = param(rngs, (e, dim, f), ("experts", "embed", "mlp"), fan_in=dim)
-        self.up = param(rngs, (e, dim, f), ("experts", "embed", "mlp"), fan_in=dim)
-        self.down = param(rngs, (e, f, dim), ("experts", "mlp", "embed"), fan_in=f)
+        self.gate = param(rngs, (e, dim, f), experts.AXES.gate, fan_in=dim)
+        self.up = param(rngs, (e, dim, f), experts.AXES.up, fan_in=dim)
+        self.down = param(rngs, (e, f, dim), experts.AXES.down, fan_in=f)
         shared = cfg.num_shared_experts * cfg.shared_mlp_dim
-        self.shared = MLP(dim, shared, rngs=rngs) if shared else None
+        self.shared = MLP(dim, shared, rngs=rngs, layout=layout) if shared else None
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, MoEStats]:
         dtype = x.dtype

@@ -28,6 +28,12 @@ class ExpertWeights:
     down: jax.Array  # [E, f, d]
 
 
+AXES = ExpertWeights(
+    gate=("experts", "embed", "expert_mlp"),
+    up=("experts", "embed", "expert_mlp"),
+    down=("experts", "expert_mlp", "embed"),
+)
+
 Gmm = Callable[[jax.Array, jax.Array], jax.Array]
 
 

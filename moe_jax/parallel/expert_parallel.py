@@ -1,4 +1,9 @@
-"""Expert parallelism inside the intra group: each device owns E/n whole experts.
+"""Expert parallelism inside the intra group.
+
+Experts are split over the mesh's 'expert' axis and each expert's width over
+its 'tensor' axis: (n, 1) is plain expert parallelism (each device owns E/n
+whole experts), (1, n) expert tensor parallelism (every device holds all
+experts, 1/n of each one's width), anything between both.
 
 `alltoall_moe` is the usual form: each device routes its own tokens, sends
 each assignment to the device owning its expert (all-to-all), the owners run
@@ -11,8 +16,9 @@ paper).
 `allgather_moe` is the paper's all-gather form of the token exchange: every
 device all-gathers the group's tokens, routes them all (the router is
 replicated, so every device reaches the same decisions), runs only its own
-experts on the tokens routed to them, and a reduce-scatter sums the experts'
-partial outputs and returns each device its own tokens. Router statistics of
+experts (or its slice of their width) on the tokens routed to them, and a
+reduce-scatter sums the partial outputs and returns each device its own
+tokens. It serves `ep_ag`, `etp` and `ep_etp` alike. Router statistics of
 the data-parallel groups are combined so that the losses equal those of the
 whole batch on one device.
 """
@@ -27,50 +33,52 @@ from jax.sharding import PartitionSpec as P
 
 from moe_jax.moe import dispatch as dsp
 from moe_jax.moe import experts as expert_impls
-from moe_jax.moe.experts import ExpertWeights
 from moe_jax.moe.losses import router_stats
 from moe_jax.moe.routing import Routing, route
-
-INTRA, DATA = "intra", "data"
+from moe_jax.parallel.layout import DATA, EXPERT, INTRA, ROUTER_STATS, TOKEN_EXCHANGE
 
 
 def allgather_moe(layout, forward, x: jax.Array, params, cfg):
     """x [b, s, d] split over the mesh as the attention layout left it."""
-    mesh = layout.mesh
-    axis = 1 if INTRA in layout.seq_axes else 0  # where the intra group splits tokens
+    axis = 1 if EXPERT in layout.seq_axes else 0  # where the intra group splits tokens
     x_spec, param_spec = _specs(layout, params)
-    local_experts = params.experts.gate.shape[0] // mesh.shape[INTRA]
+    local_experts = params.experts.gate.shape[0] // layout.size(EXPERT)
 
     def body(x, params):
-        group = jax.lax.all_gather(x, INTRA, axis=axis, tiled=True)
+        with jax.named_scope(TOKEN_EXCHANGE):
+            group = jax.lax.all_gather(x, INTRA, axis=axis, tiled=True)
         batch, seq, dim = group.shape
-        first = jax.lax.axis_index(INTRA) * local_experts
+        first = jax.lax.axis_index(EXPERT) * local_experts
         y, stats = forward(group.reshape(batch * seq, dim), params, cfg, batch, first)
-        y = jax.lax.psum_scatter(y.reshape(group.shape), INTRA, scatter_dimension=axis, tiled=True)
-        # Every intra device routed the same (gathered) tokens: they are copies.
-        return y, stats.combine(batch_axes=(DATA,), copy_axes=(INTRA,))
+        with jax.named_scope(TOKEN_EXCHANGE):
+            y = jax.lax.psum_scatter(
+                y.reshape(group.shape), INTRA, scatter_dimension=axis, tiled=True
+            )
+        with jax.named_scope(ROUTER_STATS):
+            # Every intra device routed the same (gathered) tokens: they are copies.
+            stats = stats.combine(batch_axes=(DATA,), copy_axes=INTRA)
+        return y, stats
 
-    return jax.shard_map(body, mesh=mesh, in_specs=(x_spec, param_spec), out_specs=(x_spec, P()))(
-        x, params
-    )
+    return jax.shard_map(
+        body, mesh=layout.mesh, in_specs=(x_spec, param_spec), out_specs=(x_spec, P())
+    )(x, params)
 
 
 def _specs(layout, params):
-    x_spec = P(layout.batch_axes or None, layout.seq_axes or None, None)
-    experts = P(INTRA, None, None)
-    return x_spec, type(params)(P(), P(), ExpertWeights(experts, experts, experts))
+    experts = layout.weight_specs(expert_impls.AXES)
+    return layout.activation_spec(), type(params)(P(), P(), experts)
 
 
 def _exchange(rows: jax.Array) -> jax.Array:
     """Block j of `rows` goes to device j; block j of the result came from device j."""
-    return jax.lax.all_to_all(rows, INTRA, split_axis=0, concat_axis=0, tiled=True)
+    with jax.named_scope(TOKEN_EXCHANGE):
+        return jax.lax.all_to_all(rows, INTRA, split_axis=0, concat_axis=0, tiled=True)
 
 
 def alltoall_moe(layout, forward, x: jax.Array, params, cfg):
     """x [b, s, d] split over the mesh as the attention layout left it."""
     del forward  # this layout composes route, exchange and expert compute itself
-    mesh = layout.mesh
-    n = mesh.shape[INTRA]
+    n = layout.size(INTRA)  # the mesh's 'tensor' axis has size 1 for this layout
     local_experts = cfg.num_experts // n
     x_spec, param_spec = _specs(layout, params)
     compute_cfg = dataclasses.replace(cfg, num_experts=local_experts, capacity_factor=0.0)
@@ -102,9 +110,10 @@ def alltoall_moe(layout, forward, x: jax.Array, params, cfg):
         )
         results = _exchange(impl(rows, received, params.experts, compute_cfg))
         y = dsp.combine(results, layout_out, routing).reshape(x.shape)
-        stats = router_stats(routing, batch)
-        return y, stats.combine(batch_axes=layout.batch_axes, seq_axes=layout.seq_axes)
+        with jax.named_scope(ROUTER_STATS):
+            stats = router_stats(routing, batch).combine(layout.batch_axes, layout.seq_axes)
+        return y, stats
 
-    return jax.shard_map(body, mesh=mesh, in_specs=(x_spec, param_spec), out_specs=(x_spec, P()))(
-        x, params
-    )
+    return jax.shard_map(
+        body, mesh=layout.mesh, in_specs=(x_spec, param_spec), out_specs=(x_spec, P())
+    )(x, params)

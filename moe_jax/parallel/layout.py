@@ -1,20 +1,46 @@
-"""A block's layout as data: which function runs attention and the MoE block, on which mesh.
+"""A model's layout as data: which function runs each block kind, on which mesh.
 
-Model code calls `layout.attend(...)` and `layout.moe(...)` and never asks
-which layout it is in. `Layout()` (no mesh) is the single-device layout;
-`moe_jax.parallel.mesh.make_layout` builds the others from a plan.
+Model code calls `layout.attention(...)`, `layout.mlp(...)` and
+`layout.moe(...)` and never asks which layout it is in. `Layout()` (no mesh)
+is the single-device layout; `moe_jax.parallel.mesh.make_layout` builds the
+others from a plan.
+
+The mesh always has three axes, ('data', 'expert', 'tensor'): `data`
+data-parallel groups of an intra-node group of n = expert * tensor devices.
+Attention and dense blocks use the intra group as one axis (`INTRA`); expert
+blocks split experts over 'expert' and each expert's width over 'tensor'.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Callable
 
 import jax
+from jax.sharding import PartitionSpec as P
+
+DATA, EXPERT, TENSOR = "data", "expert", "tensor"
+INTRA = (EXPERT, TENSOR)  # the intra-node group as one axis
+MESH_AXES = (DATA, EXPERT, TENSOR)
+# Name scopes that mark collectives in the compiled program, read by
+# `moe_jax.tools.comm_report`: tokens moved between layouts, and the router
+# statistics combined across devices. Other collectives serve parameters.
+TOKEN_EXCHANGE, ROUTER_STATS = "token_exchange", "router_stats"
 
 
-def local_attention(layout: Layout, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Causal GQA attention on whatever this device holds (whole sequences)."""
+def local_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal GQA attention on whatever this device holds (whole sequences, its heads)."""
     return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+
+def local_attention_block(layout: Layout, block, x, positions, weights, axes):
+    """The attention block where it stands: one device, or batch-split under GSPMD."""
+    return block(x, positions, weights, local_attention)
+
+
+def local_mlp(layout: Layout, block, x, weights, axes):
+    return block(x, weights)
 
 
 def local_moe(layout: Layout, forward, x: jax.Array, params, cfg):
@@ -26,19 +52,45 @@ def local_moe(layout: Layout, forward, x: jax.Array, params, cfg):
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """How attention and MoE blocks run. Hashable, so it can live in the model graph."""
+    """How each block kind runs. Hashable, so it can live in the model graph.
+
+    `param_rules` maps logical parameter axes to mesh axes (anything unnamed is
+    replicated); the block functions read their weights' specs from it.
+    """
 
     mesh: jax.sharding.Mesh | None = None
-    attention_fn: object = local_attention
-    moe_fn: object = local_moe
-    batch_axes: tuple[str, ...] = ()  # mesh axes the batch is split over
-    seq_axes: tuple[str, ...] = ()  # mesh axes the sequence is split over
+    attention_fn: Callable = local_attention_block
+    mlp_fn: Callable = local_mlp
+    moe_fn: Callable = local_moe
+    batch_axes: tuple[str, ...] = ()  # mesh axes the batch is split over between blocks
+    seq_axes: tuple[str, ...] = ()  # mesh axes the sequence is split over between blocks
+    param_rules: tuple[tuple[str, str | tuple[str, ...]], ...] = ()
 
-    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-        return self.attention_fn(self, q, k, v)
+    def attention(self, block, x, positions, weights, axes):
+        """block(x, positions, weights, attend) -> out, run the way this layout runs it."""
+        return self.attention_fn(self, block, x, positions, weights, axes)
+
+    def mlp(self, block, x, weights, axes):
+        return self.mlp_fn(self, block, x, weights, axes)
 
     def moe(self, forward, x: jax.Array, params, cfg):
         return self.moe_fn(self, forward, x, params, cfg)
+
+    def size(self, axes: str | tuple[str, ...]) -> int:
+        axes = (axes,) if isinstance(axes, str) else axes
+        return math.prod(self.mesh.shape[a] for a in axes)
+
+    def param_spec(self, names: tuple[str | None, ...]) -> P:
+        rules = dict(self.param_rules)
+        return P(*(rules.get(name) for name in names))
+
+    def weight_specs(self, axes):
+        """A tree of PartitionSpecs for weights whose logical axes are `axes`."""
+        return jax.tree.map(self.param_spec, axes, is_leaf=lambda t: isinstance(t, tuple))
+
+    def activation_spec(self, rank: int = 3) -> P:
+        """[batch, seq, ...] as the layout leaves activations between blocks."""
+        return P(self.batch_axes or None, self.seq_axes or None, *([None] * (rank - 2)))
 
 
 SINGLE_DEVICE = Layout()

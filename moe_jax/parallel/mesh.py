@@ -1,8 +1,10 @@
 """From the plan (`config.parallel`) to a device mesh, a `Layout`, and shardings.
 
-One mesh with axes ('data', 'intra'): `data` data-parallel groups of `intra`
-devices. Attention and the MoE block each map their tensors onto it their
-own way (the layout); parameters are placed by logical-axis rules.
+One mesh with axes ('data', 'expert', 'tensor'): `data` data-parallel groups
+of an intra group of n = expert * tensor devices. Attention and dense blocks
+use the intra group as one axis; expert blocks split experts over 'expert'
+and expert width over 'tensor'. Parameters are placed by logical-axis rules
+that come with the layout.
 """
 
 from __future__ import annotations
@@ -17,17 +19,37 @@ from jax.sharding import PartitionSpec as P
 
 from moe_jax.config import Config
 from moe_jax.parallel.expert_parallel import allgather_moe, alltoall_moe
-from moe_jax.parallel.layout import Layout, local_attention
+from moe_jax.parallel.fsdp import fsdp_attention, fsdp_mlp
+from moe_jax.parallel.layout import (
+    DATA,
+    EXPERT,
+    INTRA,
+    MESH_AXES,
+    TENSOR,
+    Layout,
+    local_attention_block,
+    local_mlp,
+)
+from moe_jax.parallel.tensor_parallel import tp_attention, tp_mlp
 from moe_jax.parallel.ulysses import ulysses_attention
 
+ALL = (DATA, *INTRA)
 ATTENTION = {
-    # name: (attention function, batch mesh axes, sequence mesh axes)
-    "dp": (local_attention, ("data", "intra"), ()),
-    "sp": (ulysses_attention, ("data",), ("intra",)),
+    # name: (attention block, dense MLP block, batch mesh axes, sequence mesh axes)
+    "dp": (local_attention_block, local_mlp, ALL, ()),
+    "fsdp": (fsdp_attention, fsdp_mlp, ALL, ()),
+    "tp": (tp_attention, tp_mlp, (DATA,), INTRA),
+    "sp": (ulysses_attention, local_mlp, (DATA,), INTRA),
 }
-EXPERTS = {"ep_ag": allgather_moe, "ep_a2a": alltoall_moe}
-# Logical parameter axes -> mesh axes (everything else is replicated).
-PARAM_RULES = {"experts": "intra"}
+EXPERTS = {
+    # name: expert block; the mesh's (expert, tensor) split comes from `expert_split`
+    "ep_ag": allgather_moe,
+    "ep_a2a": alltoall_moe,
+    "etp": allgather_moe,
+    "ep_etp": allgather_moe,
+}
+# Expert weights are always placed this way; the mesh shape decides the split.
+EXPERT_RULES = (("experts", EXPERT), ("expert_mlp", TENSOR))
 
 
 def expert_layout(config: Config) -> str:
@@ -54,10 +76,53 @@ def resolve(config: Config, num_devices: int) -> Config:
     return dataclasses.replace(config, parallel=p)
 
 
+def expert_split(config: Config) -> tuple[int, int]:
+    """(expert, tensor) sizes of the intra group for the resolved expert layout."""
+    p = config.parallel
+    return {
+        "ep_ag": (p.intra, 1),
+        "ep_a2a": (p.intra, 1),
+        "etp": (1, p.intra),
+        "ep_etp": (p.intra // p.etp, p.etp),
+    }[expert_layout(config)]
+
+
+def _dense_widths(config: Config) -> dict[str, int]:
+    """Hidden widths of the dense MLPs the model has (split by tp and fsdp)."""
+    m, e = config.model, config.moe
+    widths = {}
+    if m.first_k_dense or m.moe_every > 1 or not m.num_moe_layers:
+        widths["model.mlp_dim"] = m.mlp_dim
+    if e.num_shared_experts:
+        widths["moe.num_shared_experts * moe.shared_mlp_dim"] = (
+            e.num_shared_experts * e.shared_mlp_dim
+        )
+    return widths
+
+
+def _split_heads_problems(config: Config, size: int, what: str) -> list[tuple[bool, str]]:
+    m, t = config.model, config.train
+    kv = m.num_kv_heads
+    return [
+        (
+            t.seq_len % size == 0 or what.startswith("data"),
+            f"train.seq_len={t.seq_len} must be divisible by {what}",
+        ),
+        (m.num_heads % size == 0, f"model.num_heads={m.num_heads} must be divisible by {what}"),
+        (
+            kv % size == 0 or (size % kv == 0 and not what.startswith("data")),
+            f"model.num_kv_heads={kv} and {what} must divide one another"
+            if not what.startswith("data")
+            else f"model.num_kv_heads={kv} must be divisible by {what}",
+        ),
+    ]
+
+
 def check_plan(config: Config, num_devices: int) -> None:
     """One-line errors for plans that cannot run, before anything is compiled."""
     config = resolve(config, num_devices)
-    p, m, e, t = config.parallel, config.model, config.moe, config.train
+    p, e, t = config.parallel, config.moe, config.train
+    experts = p.experts
     problems = [
         (
             p.data * p.intra == num_devices,
@@ -65,16 +130,33 @@ def check_plan(config: Config, num_devices: int) -> None:
             f"{num_devices} devices",
         ),
         (
-            e.num_experts % p.intra == 0,
-            f"moe.num_experts={e.num_experts} must be divisible by parallel.intra={p.intra} "
-            "(experts are split over the intra group)",
-        ),
-        (
             e.impl != "capacity" or p.intra == 1,
             "moe.impl='capacity' runs on one device only for now; use 'auto' with parallel.intra>1",
         ),
     ]
-    batch_split = p.data * (p.intra if p.attention == "dp" else 1)
+    if experts == "ep_etp":
+        problems.append(
+            (
+                1 < p.etp < p.intra and p.intra % p.etp == 0,
+                f"parallel.etp={p.etp} must divide parallel.intra={p.intra} and lie strictly "
+                "between 1 and it for parallel.experts='ep_etp' (use 'ep_*' or 'etp' otherwise)",
+            )
+        )
+    else:
+        ep, tp = expert_split(config)
+        problems += [
+            (
+                e.num_experts % ep == 0,
+                f"moe.num_experts={e.num_experts} must be divisible by the {ep} expert-parallel "
+                f"devices of parallel.experts={experts!r}",
+            ),
+            (
+                e.expert_mlp_dim % tp == 0,
+                f"moe.expert_mlp_dim={e.expert_mlp_dim} must be divisible by the {tp} "
+                f"expert-tensor-parallel devices of parallel.experts={experts!r}",
+            ),
+        ]
+    batch_split = p.data * (p.intra if p.attention in ("dp", "fsdp") else 1)
     problems.append(
         (
             t.batch_size % (batch_split * t.grad_accum) == 0,
@@ -82,63 +164,68 @@ def check_plan(config: Config, num_devices: int) -> None:
             f"(the batch split of parallel.attention={p.attention!r} times train.grad_accum)",
         )
     )
-    if p.attention == "sp":
-        kv = m.num_kv_heads
-        problems += [
-            (
-                t.seq_len % p.intra == 0,
-                f"train.seq_len={t.seq_len} must be divisible by parallel.intra={p.intra} "
-                "for parallel.attention='sp'",
-            ),
-            (
-                m.num_heads % p.intra == 0,
-                f"model.num_heads={m.num_heads} must be divisible by parallel.intra={p.intra} "
-                "for parallel.attention='sp'",
-            ),
-            (
-                kv % p.intra == 0 or p.intra % kv == 0,
-                f"model.num_kv_heads={kv} and parallel.intra={p.intra} must divide one another "
-                "for parallel.attention='sp'",
-            ),
-        ]
+    split = {"sp": p.intra, "tp": p.intra, "fsdp": p.data}.get(p.attention)
+    if split:
+        name = "parallel.data" if p.attention == "fsdp" else "parallel.intra"
+        what = f"{name}={split} for parallel.attention={p.attention!r}"
+        problems += _split_heads_problems(config, split, what)
+        if p.attention != "sp":
+            problems += [
+                (width % split == 0, f"{key}={width} must be divisible by {what}")
+                for key, width in _dense_widths(config).items()
+            ]
     for ok, message in problems:
         if not ok:
             raise ValueError(message)
 
 
+def param_rules(config: Config) -> tuple:
+    """Logical parameter axes -> mesh axes for the plan (unnamed axes are replicated)."""
+    p, kv = config.parallel, config.model.num_kv_heads
+    attention = {
+        "tp": (("heads", INTRA), ("mlp", INTRA))
+        + ((("kv_heads", INTRA),) if kv % p.intra == 0 else ()),
+        "fsdp": (("heads", DATA), ("kv_heads", DATA), ("mlp", DATA)),
+    }.get(p.attention, ())
+    return attention + EXPERT_RULES
+
+
 def make_mesh(config: Config, devices=None) -> Mesh:
     devices = np.asarray(devices if devices is not None else jax.devices())
-    p = resolve(config, devices.size).parallel
-    return Mesh(devices.reshape(p.data, p.intra), ("data", "intra"))
+    config = resolve(config, devices.size)
+    expert, tensor = expert_split(config)
+    return Mesh(devices.reshape(config.parallel.data, expert, tensor), MESH_AXES)
 
 
 def make_layout(config: Config, mesh: Mesh) -> Layout:
-    attention, batch_axes, seq_axes = ATTENTION[config.parallel.attention]
+    attention, mlp, batch_axes, seq_axes = ATTENTION[config.parallel.attention]
     return Layout(
         mesh=mesh,
         attention_fn=attention,
+        mlp_fn=mlp,
         moe_fn=EXPERTS[expert_layout(config)],
         batch_axes=batch_axes,
         seq_axes=seq_axes,
+        param_rules=param_rules(config),
     )
 
 
 def batch_sharding(layout: Layout) -> NamedSharding:
     """Token batches [batch, seq] as the attention layout splits them."""
-    return NamedSharding(layout.mesh, P(layout.batch_axes or None, layout.seq_axes or None))
+    return NamedSharding(layout.mesh, layout.activation_spec(rank=2))
 
 
-def state_shardings(state, mesh: Mesh):
+def state_shardings(state, layout: Layout):
     """Shardings for any tree holding model variables (params, optimizer moments, ...).
 
-    A variable is placed by its logical axis names; anything else is replicated.
+    A variable is placed by its logical axis names and the layout's rules;
+    anything else is replicated.
     """
 
     def spec(leaf):
         if isinstance(leaf, nnx.Variable):
             names = leaf.get_metadata().get("out_sharding") or ()
-            mesh_axes = [PARAM_RULES.get(name) for name in names]
-            return leaf.replace(NamedSharding(mesh, P(*mesh_axes)))
-        return NamedSharding(mesh, P())
+            return leaf.replace(NamedSharding(layout.mesh, layout.param_spec(names)))
+        return NamedSharding(layout.mesh, P())
 
     return jax.tree.map(spec, state, is_leaf=lambda x: isinstance(x, nnx.Variable))

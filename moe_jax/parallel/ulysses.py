@@ -1,9 +1,9 @@
 """Ulysses sequence-parallel attention (the paper's SP; DeepSpeed-Ulysses).
 
 Each device of the intra group holds s/n tokens of every sequence and the
-whole attention weights. An all-to-all turns sequence shards into head
-shards, attention runs over full sequences for h/n heads, and a second
-all-to-all turns it back.
+whole attention weights. The QKV projection runs locally, an all-to-all turns
+sequence shards into head shards, attention runs over full sequences for h/n
+heads, a second all-to-all turns it back, and the output projection is local.
 
 Grouped-query attention: each device needs the key/value heads of its query
 heads. With kv heads K >= n (K divisible by n) they split like the query
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-INTRA = "intra"
+from moe_jax.parallel.layout import INTRA, TOKEN_EXCHANGE, local_attention
 
 
 def _seq_to_heads(x: jax.Array) -> jax.Array:
@@ -30,17 +30,24 @@ def _heads_to_seq(x: jax.Array) -> jax.Array:
     return jax.lax.all_to_all(x, INTRA, split_axis=1, concat_axis=2, tiled=True)
 
 
-def ulysses_attention(layout, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """q [b, s, h, d], k/v [b, s, kv, d], sequence split over 'intra' -> o like q."""
-    n = layout.mesh.shape[INTRA]
-    if k.shape[2] < n:
-        k, v = (jnp.repeat(t, n // t.shape[2], axis=2) for t in (k, v))
-    spec = P(layout.batch_axes or None, INTRA, None, None)
+def ulysses_attention(layout, block, x, positions, weights, axes):
+    """x [b, s, d] with the sequence split over the intra group -> the same."""
+    n = layout.size(INTRA)
 
-    def body(q, k, v):
-        q, k, v = _seq_to_heads(q), _seq_to_heads(k), _seq_to_heads(v)
-        return _heads_to_seq(jax.nn.dot_product_attention(q, k, v, is_causal=True))
+    def attend(q, k, v):
+        if k.shape[2] < n:
+            k, v = (jnp.repeat(t, n // t.shape[2], axis=2) for t in (k, v))
+        with jax.named_scope(TOKEN_EXCHANGE):
+            q, k, v = _seq_to_heads(q), _seq_to_heads(k), _seq_to_heads(v)
+        o = local_attention(q, k, v)
+        with jax.named_scope(TOKEN_EXCHANGE):
+            return _heads_to_seq(o)
 
-    return jax.shard_map(body, mesh=layout.mesh, in_specs=(spec, spec, spec), out_specs=spec)(
-        q, k, v
+    def body(x, positions, weights):
+        return block(x, positions, weights, attend)
+
+    spec = layout.activation_spec()
+    in_specs = (spec, P(*spec[:2]), layout.weight_specs(axes))
+    return jax.shard_map(body, mesh=layout.mesh, in_specs=in_specs, out_specs=spec)(
+        x, positions, weights
     )

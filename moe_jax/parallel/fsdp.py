@@ -1,0 +1,45 @@
+"""Fully sharded data parallelism for attention and dense blocks.
+
+The batch is split over every device, as in plain data parallelism, but each
+weight of these blocks is stored split over the 'data' axis. A block
+all-gathers its weights just before use; the gather's transpose in the
+backward pass is a reduce-scatter, so each device keeps only its shard of the
+gradient. Weight memory of these blocks drops by the data-parallel size for
+one all-gather per block forward and one reduce-scatter backward.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from moe_jax.parallel.layout import DATA, local_attention
+
+
+def _gather_weights(layout, weights, axes):
+    def gather(w, names):
+        spec = layout.param_spec(names)
+        dims = [i for i, axis in enumerate(spec) if axis == DATA]
+        return jax.lax.all_gather(w, DATA, axis=dims[0], tiled=True) if dims else w
+
+    return jax.tree.map(gather, weights, axes, is_leaf=lambda t: isinstance(t, tuple))
+
+
+def fsdp_attention(layout, block, x, positions, weights, axes):
+    def body(x, positions, weights):
+        return block(x, positions, _gather_weights(layout, weights, axes), local_attention)
+
+    spec = layout.activation_spec()
+    in_specs = (spec, P(*spec[:2]), layout.weight_specs(axes))
+    return jax.shard_map(body, mesh=layout.mesh, in_specs=in_specs, out_specs=spec)(
+        x, positions, weights
+    )
+
+
+def fsdp_mlp(layout, block, x, weights, axes):
+    def body(x, weights):
+        return block(x, _gather_weights(layout, weights, axes))
+
+    spec = layout.activation_spec()
+    in_specs = (spec, layout.weight_specs(axes))
+    return jax.shard_map(body, mesh=layout.mesh, in_specs=in_specs, out_specs=spec)(x, weights)

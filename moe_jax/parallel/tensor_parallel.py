@@ -1,0 +1,66 @@
+"""Megatron-style tensor parallelism with sequence-parallel norms.
+
+Between blocks every device of the intra group holds s/n tokens of each
+sequence (so norms and residual adds are split too). A block all-gathers the
+sequence, runs its column-parallel projection (attention heads, or MLP
+hidden columns, split n ways), its row-parallel output projection gives
+partial sums, and a reduce-scatter sums them and hands each device its s/n
+tokens back: 2·b·s·h·(n-1)/n bytes per block and device, whatever n.
+
+Grouped-query attention with kv heads K < n (n divisible by K): the key and
+value weights stay whole on every device and each device slices the one kv
+head its query heads use, as Megatron replicates kv heads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from moe_jax.parallel.layout import INTRA, TOKEN_EXCHANGE, local_attention
+
+
+def _gather_sequence(x: jax.Array) -> jax.Array:
+    with jax.named_scope(TOKEN_EXCHANGE):
+        return jax.lax.all_gather(x, INTRA, axis=1, tiled=True)
+
+
+def _sum_and_scatter_sequence(x: jax.Array) -> jax.Array:
+    with jax.named_scope(TOKEN_EXCHANGE):
+        return jax.lax.psum_scatter(x, INTRA, scatter_dimension=1, tiled=True)
+
+
+def _my_kv_head(weights, n: int):
+    """The one kv head this device's query heads use, out of whole kv weights."""
+    index = jax.lax.axis_index(INTRA) * weights.key.shape[1] // n
+    take = lambda w: jax.lax.dynamic_slice_in_dim(w, index, 1, axis=1)
+    return dataclasses.replace(weights, key=take(weights.key), value=take(weights.value))
+
+
+def tp_attention(layout, block, x, positions, weights, axes):
+    """x [b, s, d] with the sequence split over the intra group -> the same."""
+    n = layout.size(INTRA)
+    whole_kv = layout.param_spec(axes.key)[1] is None  # fewer kv heads than devices
+
+    def body(x, positions, weights):
+        if whole_kv:
+            weights = _my_kv_head(weights, n)
+        out = block(_gather_sequence(x), positions, weights, local_attention)
+        return _sum_and_scatter_sequence(out)
+
+    spec = layout.activation_spec()
+    in_specs = (spec, P(spec[0], None), layout.weight_specs(axes))
+    return jax.shard_map(body, mesh=layout.mesh, in_specs=in_specs, out_specs=spec)(
+        x, positions, weights
+    )
+
+
+def tp_mlp(layout, block, x, weights, axes):
+    def body(x, weights):
+        return _sum_and_scatter_sequence(block(_gather_sequence(x), weights))
+
+    spec = layout.activation_spec()
+    in_specs = (spec, layout.weight_specs(axes))
+    return jax.shard_map(body, mesh=layout.mesh, in_specs=in_specs, out_specs=spec)(x, weights)
