@@ -130,6 +130,7 @@ class ParallelConfig:
     ag_threshold: float = 0.75  # auto picks ep_ag when moe.top_k / intra exceeds this
     intra: int = 1  # n: devices of one intra-node group (experts and sequence split here)
     data: int = 0  # data-parallel groups; 0 = all devices not used by intra
+    zero: int = 0  # ZeRO stage over the data axis: 0 (replicated) or 1 (optimizer state split)
     etp: int = 2  # experts=ep_etp: devices splitting each expert's width (intra / etp own experts)
 
 
@@ -159,7 +160,7 @@ SECTIONS = {
 DATA_SOURCES = ("stdlib", "tokens", "synthetic")
 SCHEDULES = ("cosine", "linear")
 ATTENTION_LAYOUTS = ("dp", "fsdp", "tp", "sp")
-EXPERT_LAYOUTS = ("ep_ag", "ep_a2a", "etp", "ep_etp", "auto")
+EXPERT_LAYOUTS = ("ep_ag", "ep_a2a", "ep_a2a_ragged", "etp", "ep_etp", "auto")
 
 
 def to_config_dict(config: Config) -> ml_collections.ConfigDict:
@@ -324,6 +325,7 @@ def validate(config: Config) -> None:
     )
     _check(p.experts in EXPERT_LAYOUTS, "parallel.experts", p.experts, f"valid: {EXPERT_LAYOUTS}")
     _positive(p, "parallel", "etp")
+    _check(p.zero in (0, 1), "parallel.zero", p.zero, "valid: 0 or 1 (fsdp covers weights)")
     _check(p.ag_threshold > 0, "parallel.ag_threshold", p.ag_threshold, "must be > 0")
     profile_steps(config.profile)
 

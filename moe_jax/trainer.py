@@ -97,7 +97,7 @@ def run(config: config_lib.Config, workdir: str | Path) -> dict[str, Any]:
     mesh = mesh_lib.make_mesh(config)
     layout = mesh_lib.make_layout(config, mesh)
     graphdef, state = init_state(config, layout)
-    state_sharding = mesh_lib.state_shardings(state, layout)
+    state_sharding = mesh_lib.train_state_shardings(state, layout, config.parallel.zero)
     # Placed as the step's outputs will be, so step 1 does not compile twice.
     state = jax.device_put(state, state_sharding)
     start = checkpoints.latest_step() or 0

@@ -15,6 +15,7 @@ from moe_jax.config import Config, ModelConfig, MoEConfig, ParallelConfig, Train
 from moe_jax.model.transformer import Transformer
 from moe_jax.moe.block import RouterBias
 from moe_jax.parallel import mesh as mesh_lib
+from moe_jax.tools import hlo_collectives
 from moe_jax.train_step import loss_fn
 
 BASE = Config(
@@ -24,6 +25,10 @@ BASE = Config(
     moe=MoEConfig(num_experts=8, top_k=2, expert_mlp_dim=16, aux_loss_coef=0.1, z_loss_coef=0.01),
     train=TrainConfig(batch_size=8, seq_len=16),
 )
+
+
+# Halves XLA:CPU compile time; these tests check numbers and collectives, not speed.
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 
 def _with_plan(attention: str, data: int, intra: int, experts: str = "ep_ag") -> Config:
@@ -49,9 +54,9 @@ def _loss_and_grads(config: Config, layout=None):
         biases = jax.device_put(biases, mesh_lib.state_shardings(biases, layout))
         sharding = mesh_lib.batch_sharding(layout)
         batch = {k: jax.device_put(v, sharding) for k, v in batch.items()}
-    (loss, metrics), grads = fn(params, biases, batch)
-    hlo = fn.lower(params, biases, batch).compile().as_text()
-    return loss, metrics, grads, hlo
+    compiled = fn.lower(params, biases, batch).compile(compiler_options=FAST_COMPILE)
+    (loss, metrics), grads = compiled(params, biases, batch)
+    return loss, metrics, grads, compiled.as_text()
 
 
 @pytest.fixture(scope="module")
@@ -87,27 +92,48 @@ def test_layout_matches_single_device(
 
 
 def _program(attention: str, experts: str) -> str:
-    config = _with_plan(attention, 1, 8, experts)
+    config = _with_plan(attention, 2, 4, experts)
     layout = mesh_lib.make_layout(config, mesh_lib.make_mesh(config))
     return _loss_and_grads(config, layout)[3]
 
 
-def _count(hlo: str, op: str) -> int:
-    return sum(f" {op}(" in line or f" {op}-start(" in line for line in hlo.splitlines())
+def _exchanges(hlo: str, block: str) -> dict[str, list]:
+    """Token-exchange collectives of one block kind ('attention' or 'moe') by kind."""
+    found: dict[str, list] = {}
+    for c in hlo_collectives.parse(hlo):
+        if c.role == "activation" and f"/{block}/" in c.op_name and c.tag == "token_exchange":
+            found.setdefault(c.kind, []).append(c)
+    return found
 
 
 def test_compiled_collectives_follow_the_plan():
-    """ep_ag moves tokens by all-gather + reduce-scatter and ep_a2a by all-to-all; dp
-    attention adds no all-to-all and sp adds exactly the Ulysses ones."""
-    dp_ag, dp_a2a = _program("dp", "ep_ag"), _program("dp", "ep_a2a")
-    sp_ag = _program("sp", "ep_ag")
-    assert _count(dp_ag, "all-to-all") == 0
-    assert _count(dp_ag, "all-gather") > 0 and _count(dp_ag, "reduce-scatter") > 0
-    assert _count(dp_a2a, "all-to-all") > 0
-    assert _count(dp_a2a, "reduce-scatter") == 0 and _count(dp_a2a, "all-gather") == 0
-    # Ulysses: q, k, v forth and the output back, per layer, forward and backward.
-    assert _count(sp_ag, "all-to-all") > 0
-    assert _count(sp_ag, "all-gather") == _count(dp_ag, "all-gather")
+    """Each layout compiles to the collectives it promises, in the block it promises."""
+    programs = {
+        plan: _program(*plan)
+        for plan in [("sp", "ep_ag"), ("tp", "ep_a2a"), ("dp", "etp"), ("fsdp", "ep_etp")]
+    }
+    sp_attention = _exchanges(programs["sp", "ep_ag"], "attention")
+    assert set(sp_attention) == {"all-to-all"}  # no activation all-gather inside attention
+    # Ulysses, per layer: q, k, v to head shards and the output back, forward and
+    # backward; per device [b, s/n, heads, head_dim] float32 with b=4 (of 8, data=2),
+    # s/n=4 (n=4), 8 query heads and 2 kv heads repeated up to n; 3/4 of it leaves.
+    sizes = sorted({c.bytes * 4 // 3 for c in sp_attention["all-to-all"]})
+    assert sizes == [4 * 4 * 4 * 8 * 4, 4 * 4 * 8 * 8 * 4]
+    assert sum(c.count for c in sp_attention["all-to-all"]) == 2 * 4 * BASE.model.num_layers
+    ep_ag = _exchanges(programs["sp", "ep_ag"], "moe")
+    assert set(ep_ag) == {"all-gather", "reduce-scatter"}
+    assert set(_exchanges(programs["dp", "etp"], "moe")) == {"all-gather", "reduce-scatter"}
+    assert set(_exchanges(programs["fsdp", "ep_etp"], "moe")) == {"all-gather", "reduce-scatter"}
+    tp_a2a = programs["tp", "ep_a2a"]
+    assert set(_exchanges(tp_a2a, "moe")) == {"all-to-all"}
+    assert set(_exchanges(tp_a2a, "attention")) == {"all-gather", "reduce-scatter"}
+    assert set(_exchanges(programs["dp", "etp"], "attention")) == set()
+    # fsdp gathers weights (parameter traffic) inside attention, never tokens.
+    fsdp_attention = [
+        c for c in hlo_collectives.parse(programs["fsdp", "ep_etp"]) if "/attention/" in c.op_name
+    ]
+    assert {c.kind for c in fsdp_attention if c.pass_ == "forward"} == {"all-gather"}
+    assert all(c.role == "param_grad" for c in fsdp_attention)
 
 
 @pytest.mark.parametrize(
@@ -130,6 +156,29 @@ def test_compiled_collectives_follow_the_plan():
             {"parallel": ParallelConfig(intra=8), "train": TrainConfig(batch_size=4)},
             "train.batch_size",
         ),
+        (
+            {
+                "parallel": ParallelConfig(attention="tp", intra=8),
+                "model": dataclasses.replace(BASE.model, num_heads=4, num_kv_heads=2),
+            },
+            "model.num_heads",
+        ),
+        (
+            {
+                "parallel": ParallelConfig(attention="fsdp", intra=2, data=4),
+                "model": dataclasses.replace(BASE.model, num_kv_heads=2),
+            },
+            "model.num_kv_heads",
+        ),
+        (
+            {
+                "parallel": ParallelConfig(experts="etp", intra=8),
+                "moe": dataclasses.replace(BASE.moe, expert_mlp_dim=12),
+            },
+            "moe.expert_mlp_dim",
+        ),
+        ({"parallel": ParallelConfig(experts="ep_etp", intra=8, etp=3)}, "parallel.etp"),
+        ({"parallel": ParallelConfig(experts="ep_a2a_ragged", intra=8)}, "needs a GPU"),
     ],
 )
 def test_plans_that_do_not_fit_are_rejected(changes: dict, setting: str):
@@ -140,7 +189,8 @@ def test_plans_that_do_not_fit_are_rejected(changes: dict, setting: str):
 
 
 @pytest.mark.parametrize(
-    "attention,experts,data,intra", [("dp", "ep_ag", 0, 8), ("sp", "ep_a2a", 2, 4)]
+    "attention,experts,data,intra",
+    [("dp", "ep_ag", 0, 8), ("sp", "ep_a2a", 2, 4), ("tp", "etp", 2, 4), ("fsdp", "ep_etp", 2, 4)],
 )
 def test_trainer_runs_each_layout(tmp_path, attention: str, experts: str, data: int, intra: int):
     """A few real training steps per layout on the 8 test devices; the plan is logged."""
@@ -183,27 +233,44 @@ def _three_steps(config: Config, layout=None):
     kwargs = {} if layout is None else {"layout": layout}
     graphdef, state = init_state(config, **kwargs)
     batch = _batch()
+    shardings = {}
     if layout is not None:
-        state = jax.device_put(state, mesh_lib.state_shardings(state, layout))
+        state_sharding = mesh_lib.train_state_shardings(state, layout, config.parallel.zero)
+        state = jax.device_put(state, state_sharding)
         sharding = mesh_lib.batch_sharding(layout)
         batch = {k: jax.device_put(v, sharding) for k, v in batch.items()}
-    step = jax.jit(partial(train_step, graphdef, config))
+        shardings = {
+            "in_shardings": (state_sharding, sharding),
+            "out_shardings": (state_sharding, None),
+        }
+    step = jax.jit(partial(train_step, graphdef, config), donate_argnums=0, **shardings)
+    step = step.lower(state, batch).compile(compiler_options=FAST_COMPILE)
     for _ in range(3):
         state, _ = step(state, batch)
     return state
 
 
-@pytest.mark.parametrize(
-    "attention,experts,data,intra", [("sp", "ep_a2a", 2, 4), ("dp", "ep_ag", 1, 8)]
-)
-def test_three_optimizer_steps_match_single_device(attention, experts, data, intra):
+SINGLE = dataclasses.replace(BASE, moe=dataclasses.replace(BASE.moe, bias_update_rate=1e-3))
+
+
+@pytest.fixture(scope="module")
+def three_single_device_steps():
+    return _three_steps(SINGLE)
+
+
+STEP_PLANS = [(a, e, 2, 4, 0) for a in ATTENTION for e in EXPERTS]
+STEP_PLANS += [("sp", "ep_a2a", 1, 8, 0), ("tp", "etp", 1, 8, 0), ("dp", "ep_ag", 2, 4, 1)]
+
+
+@pytest.mark.parametrize("attention,experts,data,intra,zero", STEP_PLANS)
+def test_three_optimizer_steps_match_single_device(
+    three_single_device_steps, attention, experts, data, intra, zero
+):
     """Params and router biases (sign-rule updates included) after three AdamW steps."""
-    single = dataclasses.replace(BASE, moe=dataclasses.replace(BASE.moe, bias_update_rate=1e-3))
-    config = dataclasses.replace(
-        single, parallel=_with_plan(attention, data, intra, experts).parallel
-    )
+    plan = dataclasses.replace(_with_plan(attention, data, intra, experts).parallel, zero=zero)
+    config = dataclasses.replace(SINGLE, parallel=plan)
     layout = mesh_lib.make_layout(config, mesh_lib.make_mesh(config))
-    got, want = _three_steps(config, layout), _three_steps(single)
+    got, want = _three_steps(config, layout), three_single_device_steps
     pairs = zip(
         jax.tree.leaves_with_path((want.params, want.biases)),
         jax.tree.leaves((got.params, got.biases)),
@@ -214,3 +281,8 @@ def test_three_optimizer_steps_match_single_device(attention, experts, data, int
         np.testing.assert_allclose(
             actual, expected, rtol=1e-5, atol=1e-5 * scale, err_msg=jax.tree_util.keystr(path)
         )
+    if zero:  # each data group keeps half of every optimizer moment
+        for moment in jax.tree.leaves(got.opt_state):
+            if moment.ndim and moment.size > 1:
+                shard = moment.addressable_shards[0].data
+                assert shard.size * data <= moment.size, moment.sharding

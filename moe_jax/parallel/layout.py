@@ -66,15 +66,20 @@ class Layout:
     seq_axes: tuple[str, ...] = ()  # mesh axes the sequence is split over between blocks
     param_rules: tuple[tuple[str, str | tuple[str, ...]], ...] = ()
 
+    # Each block kind runs under a name scope of its own, so the compiled
+    # program says which block a collective belongs to.
     def attention(self, block, x, positions, weights, axes):
         """block(x, positions, weights, attend) -> out, run the way this layout runs it."""
-        return self.attention_fn(self, block, x, positions, weights, axes)
+        with jax.named_scope("attention"):
+            return self.attention_fn(self, block, x, positions, weights, axes)
 
     def mlp(self, block, x, weights, axes):
-        return self.mlp_fn(self, block, x, weights, axes)
+        with jax.named_scope("mlp"):
+            return self.mlp_fn(self, block, x, weights, axes)
 
     def moe(self, forward, x: jax.Array, params, cfg):
-        return self.moe_fn(self, forward, x, params, cfg)
+        with jax.named_scope("moe"):
+            return self.moe_fn(self, forward, x, params, cfg)
 
     def size(self, axes: str | tuple[str, ...]) -> int:
         axes = (axes,) if isinstance(axes, str) else axes

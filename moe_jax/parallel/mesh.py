@@ -30,6 +30,7 @@ from moe_jax.parallel.layout import (
     local_attention_block,
     local_mlp,
 )
+from moe_jax.parallel.ragged_exchange import ragged_alltoall_moe
 from moe_jax.parallel.tensor_parallel import tp_attention, tp_mlp
 from moe_jax.parallel.ulysses import ulysses_attention
 
@@ -45,6 +46,7 @@ EXPERTS = {
     # name: expert block; the mesh's (expert, tensor) split comes from `expert_split`
     "ep_ag": allgather_moe,
     "ep_a2a": alltoall_moe,
+    "ep_a2a_ragged": ragged_alltoall_moe,  # GPU only: XLA:CPU lacks ragged_all_to_all
     "etp": allgather_moe,
     "ep_etp": allgather_moe,
 }
@@ -82,6 +84,7 @@ def expert_split(config: Config) -> tuple[int, int]:
     return {
         "ep_ag": (p.intra, 1),
         "ep_a2a": (p.intra, 1),
+        "ep_a2a_ragged": (p.intra, 1),
         "etp": (1, p.intra),
         "ep_etp": (p.intra // p.etp, p.etp),
     }[expert_layout(config)]
@@ -100,22 +103,28 @@ def _dense_widths(config: Config) -> dict[str, int]:
     return widths
 
 
-def _split_heads_problems(config: Config, size: int, what: str) -> list[tuple[bool, str]]:
+def _split_heads_problems(config: Config, size: int, what: str, splits_sequence: bool):
+    """Heads split `size` ways (and the sequence too, unless the batch carries the split).
+
+    Fewer kv heads than devices works when the sequence is split (each device
+    takes, or receives, the kv head its query heads use), not for weight shards.
+    """
     m, t = config.model, config.train
     kv = m.num_kv_heads
-    return [
-        (
-            t.seq_len % size == 0 or what.startswith("data"),
-            f"train.seq_len={t.seq_len} must be divisible by {what}",
-        ),
-        (m.num_heads % size == 0, f"model.num_heads={m.num_heads} must be divisible by {what}"),
-        (
-            kv % size == 0 or (size % kv == 0 and not what.startswith("data")),
-            f"model.num_kv_heads={kv} and {what} must divide one another"
-            if not what.startswith("data")
-            else f"model.num_kv_heads={kv} must be divisible by {what}",
-        ),
+    problems = [
+        (m.num_heads % size == 0, f"model.num_heads={m.num_heads} must be divisible by {what}")
     ]
+    if splits_sequence:
+        problems += [
+            (t.seq_len % size == 0, f"train.seq_len={t.seq_len} must be divisible by {what}"),
+            (
+                kv % size == 0 or size % kv == 0,
+                f"model.num_kv_heads={kv} and {what} must divide one another",
+            ),
+        ]
+    else:
+        problems.append((kv % size == 0, f"model.num_kv_heads={kv} must be divisible by {what}"))
+    return problems
 
 
 def check_plan(config: Config, num_devices: int) -> None:
@@ -134,6 +143,14 @@ def check_plan(config: Config, num_devices: int) -> None:
             "moe.impl='capacity' runs on one device only for now; use 'auto' with parallel.intra>1",
         ),
     ]
+    if experts == "ep_a2a_ragged":
+        problems.append(
+            (
+                jax.default_backend() != "cpu",
+                "parallel.experts='ep_a2a_ragged' needs a GPU (XLA:CPU does not implement "
+                "ragged_all_to_all); use 'ep_a2a' on CPU",
+            )
+        )
     if experts == "ep_etp":
         problems.append(
             (
@@ -168,7 +185,7 @@ def check_plan(config: Config, num_devices: int) -> None:
     if split:
         name = "parallel.data" if p.attention == "fsdp" else "parallel.intra"
         what = f"{name}={split} for parallel.attention={p.attention!r}"
-        problems += _split_heads_problems(config, split, what)
+        problems += _split_heads_problems(config, split, what, p.attention != "fsdp")
         if p.attention != "sp":
             problems += [
                 (width % split == 0, f"{key}={width} must be divisible by {what}")
@@ -222,10 +239,33 @@ def state_shardings(state, layout: Layout):
     anything else is replicated.
     """
 
+    return _shardings(state, layout, over_data=False)
+
+
+def train_state_shardings(state, layout: Layout, zero: int):
+    """Shardings of a `TrainState`; with ZeRO stage 1 the optimizer's moments are also
+    split over the 'data' axis (each data group updates its slice, then the new
+    parameters are all-gathered)."""
+    shardings = _shardings(state, layout, over_data=False)
+    if zero:
+        opt_state = _shardings(state.opt_state, layout, over_data=True)
+        shardings = dataclasses.replace(shardings, opt_state=opt_state)
+    return shardings
+
+
+def _shardings(state, layout: Layout, over_data: bool):
+    data = layout.mesh.shape[DATA]
+
     def spec(leaf):
-        if isinstance(leaf, nnx.Variable):
-            names = leaf.get_metadata().get("out_sharding") or ()
-            return leaf.replace(NamedSharding(layout.mesh, layout.param_spec(names)))
-        return NamedSharding(layout.mesh, P())
+        if not isinstance(leaf, nnx.Variable):
+            return NamedSharding(layout.mesh, P())
+        spec = list(layout.param_spec(leaf.get_metadata().get("out_sharding") or ()))
+        shape = leaf.get_value().shape
+        if over_data and data > 1 and DATA not in spec:
+            spec += [None] * (len(shape) - len(spec))
+            free = [i for i, axis in enumerate(spec) if axis is None and shape[i] % data == 0]
+            if free:
+                spec[free[0]] = DATA
+        return leaf.replace(NamedSharding(layout.mesh, P(*spec)))
 
     return jax.tree.map(spec, state, is_leaf=lambda x: isinstance(x, nnx.Variable))

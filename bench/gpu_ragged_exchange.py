@@ -1,0 +1,218 @@
+"""GPU check of the ragged all-to-all expert layout against the padded one, in one run.
+
+    python bench/gpu_ragged_exchange.py            # on the GPU machine
+    python bench/gpu_ragged_exchange.py --small    # a quick dry run anywhere
+    python bench/gpu_ragged_exchange.py --json     # also one JSON object as the last line
+
+Mesh: data=1, intra = all local devices (one GPU: intra=1, which still runs
+the op). XLA:CPU does not implement `ragged_all_to_all`: on CPU the ragged
+path is only lowered (so its program is known to build) and everything else
+runs.
+
+1. Correctness: loss and gradients of `ragged_alltoall_moe` against
+   `alltoall_moe` (padded) for a 2-layer MoE transformer (embed 256, 8 experts
+   top-2, batch 8, seq 512) in float32 and bfloat16, and for the MoE block
+   alone with balanced routing, every token sent to experts 0 and 1 (the
+   receive bound reached), and capacity drops. The padded layout is also
+   checked against the single-device model.
+2. Speed: forward+backward of the model and of the block, ragged and padded,
+   and padded_ms / ragged_ms (above 1: the ragged exchange is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from timing import median_seconds
+
+from moe_jax.config import Config, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
+from moe_jax.model.transformer import Transformer
+from moe_jax.moe.block import MoEParams, RouterBias, moe_forward
+from moe_jax.moe.experts import ExpertWeights
+from moe_jax.parallel import mesh as mesh_lib
+from moe_jax.parallel.layout import SINGLE_DEVICE
+from moe_jax.parallel.ragged_exchange import ragged_alltoall_moe
+from moe_jax.train_step import loss_fn
+
+DTYPES = ("float32", "bfloat16")
+TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2}  # worst |error| / max |reference|, per leaf
+BLOCK_CASES = {
+    # name: (capacity_factor, bias on experts 0 and 1: 100 sends every token there)
+    "balanced": (0.0, 0.0),
+    "all_to_two_experts": (0.0, 100.0),
+    "capacity": (0.75, 0.0),
+}
+CPU_SKIP = "SKIP ragged path: XLA:CPU does not implement ragged_all_to_all (lowered only)"
+
+
+def make_config(small: bool, dtype: str, devices: int) -> Config:
+    if 8 % devices:
+        raise SystemExit(f"needs a device count dividing 8 (experts, batch); got {devices}")
+    dim, heads, head_dim, width, seq = (64, 4, 16, 64, 64) if small else (256, 8, 32, 512, 512)
+    return Config(
+        model=ModelConfig(
+            num_layers=2,
+            embed_dim=dim,
+            num_heads=heads,
+            num_kv_heads=2,
+            head_dim=head_dim,
+            mlp_dim=2 * width,
+            dtype=dtype,
+        ),
+        moe=MoEConfig(num_experts=8, top_k=2, expert_mlp_dim=width),
+        train=TrainConfig(batch_size=8, seq_len=seq),
+        parallel=ParallelConfig(attention="dp", experts="ep_a2a", intra=devices, data=1),
+    )
+
+
+def model_step(config: Config, layout):
+    """Jitted forward+backward of the model and its arguments, placed for `layout`."""
+    model = Transformer(config.model, config.moe, rngs=nnx.Rngs(0), layout=layout)
+    graphdef, params, biases = nnx.split(model, nnx.Param, RouterBias)
+    grad = jax.value_and_grad(lambda p, b, batch: loss_fn(p, b, graphdef, batch, config)[0])
+    tokens = np.random.default_rng(0).integers(
+        0, config.model.vocab_size, (config.train.batch_size, config.train.seq_len + 1)
+    )
+    batch = {"inputs": tokens[:, :-1].astype(np.int32), "targets": tokens[:, 1:].astype(np.int32)}
+    if layout.mesh is not None:
+        params = jax.device_put(params, mesh_lib.state_shardings(params, layout))
+        biases = jax.device_put(biases, mesh_lib.state_shardings(biases, layout))
+        batch = jax.device_put(batch, mesh_lib.batch_sharding(layout))
+    return jax.jit(grad), (params, biases, batch)
+
+
+def block_step(config: Config, layout, case: str, dtype: str):
+    """Jitted forward+backward of the MoE block alone (params and input gradients)."""
+    capacity_factor, skew = BLOCK_CASES[case]
+    cfg = dataclasses.replace(config.moe, capacity_factor=capacity_factor)
+    dim, experts, width = config.model.embed_dim, cfg.num_experts, cfg.expert_mlp_dim
+    keys = jax.random.split(jax.random.key(0), 5)
+    scale = lambda fan_in: 1.0 / np.sqrt(fan_in)
+    params = MoEParams(
+        router=jax.random.normal(keys[0], (dim, experts)) * scale(dim),
+        bias=jnp.zeros(experts).at[:2].set(skew),
+        experts=ExpertWeights(
+            gate=(jax.random.normal(keys[1], (experts, dim, width)) * scale(dim)).astype(dtype),
+            up=(jax.random.normal(keys[2], (experts, dim, width)) * scale(dim)).astype(dtype),
+            down=(jax.random.normal(keys[3], (experts, width, dim)) * scale(width)).astype(dtype),
+        ),
+    )
+    shape = (config.train.batch_size, config.train.seq_len, dim)
+    x = jax.random.normal(keys[4], shape).astype(dtype)
+
+    def loss(params, x):
+        y, stats = layout.moe(moe_forward, x, params, cfg)
+        return jnp.mean(jnp.square(y.astype(jnp.float32))) + 0.01 * stats.aux_loss()
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), (params, x)
+
+
+def outputs(fn, args):
+    """One call of the compiled program (the compilation `median_seconds` reuses)."""
+    return fn.lower(*args).compile()(*args)
+
+
+def max_rel_error(got, want) -> float:
+    errors = [
+        float(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)).max())
+        / (float(jnp.abs(b.astype(jnp.float32)).max()) + 1e-30)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
+    ]
+    return max(errors)
+
+
+def layouts(config: Config) -> dict:
+    """The padded layout and the same layout with the ragged exchange."""
+    padded = mesh_lib.make_layout(config, mesh_lib.make_mesh(config))
+    return {"padded": padded, "ragged": dataclasses.replace(padded, moe_fn=ragged_alltoall_moe)}
+
+
+def tolerance(key: str) -> float:
+    """Keys read '<what>/<dtype>/<comparison>'."""
+    return TOLERANCE[key.split("/")[-2]]
+
+
+def compare_and_time(name: str, steps: dict, ragged_runs: bool, repeats: int):
+    """Errors against the padded exchange and timings of every step in `steps`, and why
+    the ragged step failed (None if it ran): a failure there keeps the padded numbers."""
+    errors, timing = {}, {}
+    padded = outputs(*steps["padded"])
+    if "single" in steps:
+        errors[f"{name}/padded_vs_single"] = max_rel_error(padded, outputs(*steps["single"]))
+    padded_s = median_seconds(*steps["padded"], repeats)
+    timing[f"{name}/padded_ms"] = round(padded_s * 1e3, 3)
+    if not ragged_runs:
+        steps["ragged"][0].lower(*steps["ragged"][1])
+        return errors, timing, None
+    try:
+        ragged = outputs(*steps["ragged"])
+    except Exception as error:  # report it and carry on with the other cases
+        return errors, timing, f"{name}: {type(error).__name__}: {str(error).splitlines()[0]}"
+    errors[f"{name}/ragged_vs_padded"] = max_rel_error(ragged, padded)
+    ragged_s = median_seconds(*steps["ragged"], repeats)
+    timing[f"{name}/ragged_ms"] = round(ragged_s * 1e3, 3)
+    timing[f"{name}/padded_over_ragged"] = round(padded_s / ragged_s, 3)
+    return errors, timing, None
+
+
+def run(small: bool) -> dict:
+    """Checks and times the ragged layout against the padded one; returns the report."""
+    devices = jax.device_count()
+    ragged_runs = jax.default_backend() != "cpu"
+    print(f"jax {jax.__version__} on {devices} x {jax.devices()[0].device_kind}", flush=True)
+    if not ragged_runs:
+        print(CPU_SKIP, flush=True)
+    repeats = 2 if small else 10
+    report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "devices": devices}
+    report["ragged"] = "ran" if ragged_runs else CPU_SKIP
+    errors, timing, failures = {}, {}, []
+    for dtype in DTYPES:
+        config = make_config(small, dtype, devices)
+        kinds = layouts(config)
+        steps = {kind: model_step(config, layout) for kind, layout in kinds.items()}
+        steps["single"] = model_step(config, SINGLE_DEVICE)
+        runs = [(f"model/{dtype}", steps)]
+        for case in BLOCK_CASES if dtype == "float32" else ("balanced",):
+            steps = {
+                kind: block_step(config, layout, case, dtype) for kind, layout in kinds.items()
+            }
+            runs.append((f"block/{case}/{dtype}", steps))
+        for name, steps in runs:
+            found_errors, found_timing, failure = compare_and_time(
+                name, steps, ragged_runs, repeats
+            )
+            errors.update(found_errors)
+            timing.update(found_timing)
+            failures += [failure] if failure else []
+    for key, value in errors.items():
+        print(f"correctness {key}: {value:.2e} (tolerance {tolerance(key):.0e})", flush=True)
+    for key, value in timing.items():
+        print(f"timing {key}: {value}", flush=True)
+    report["max_rel_error"] = errors
+    report["timing"] = timing
+    for failure in failures:
+        print(f"FAILED ragged {failure}", flush=True)
+    report["ragged_failures"] = failures
+    report["ok"] = not failures and all(value < tolerance(key) for key, value in errors.items())
+    print(f"ok: {report['ok']}", flush=True)
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true", help="tiny sizes, for a dry run")
+    parser.add_argument("--json", action="store_true", help="end with one JSON object")
+    args = parser.parse_args()
+    report = run(args.small)
+    if args.json:
+        print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

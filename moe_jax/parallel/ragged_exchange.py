@@ -1,0 +1,160 @@
+"""All-to-all expert parallelism that sends only the rows each destination needs.
+
+`alltoall_moe` exchanges static per-destination buffers padded to the worst
+case (dropless: every assignment of the device's tokens, for every
+destination), so every row of those buffers crosses the wire whatever the
+routing. Here each device sorts its assignments by expert, which groups them
+by destination (device j owns experts [j*L, (j+1)*L)), and
+`jax.lax.ragged_all_to_all` moves just those rows:
+
+1. One small all-to-all of int32 "headers": for each destination, the rows
+   this device sends to each of its L experts and where they start in this
+   device's sorted buffer (needed to address the way back).
+2. `ragged_all_to_all` of the sorted rows. Source s writes into region
+   [s*B, s*B + rows) of the receiver's buffer, so the senders' output
+   offsets are known without exchanging receivers' prefix sums.
+3. The local experts run on the received buffer (the existing `IMPLS`), each
+   row's expert recovered from the header counts (rows arrive sorted by
+   expert inside each source's region).
+4. A second `ragged_all_to_all` writes each result back at the position its
+   row held in the source's sorted buffer, and the source combines.
+
+Static receive bound. Shapes must be static, so each source gets a region of
+B = T * min(k, L) rows (T tokens per device, top-k, L = E/n local experts):
+top-k picks k distinct experts, so one token sends at most min(k, L) rows to
+one device. Capacity mode also caps it at L * capacity. Memory: the receive
+and expert-output buffers hold n*B rows, the send and return buffers T*k.
+The padded exchange holds n*T*k rows in each of its four buffers (E *
+capacity in capacity mode), so in dropless mode this form never needs more
+memory (with capacity_factor < 1 its T*k send buffer can exceed E *
+capacity). Bytes on the wire: the padded form sends (n-1)*T*k rows per
+device whatever the routing; this form sends only the routed rows that leave
+the device, at most T*k (about (n-1)/n * T*k when balanced). The experts
+still compute on the whole static receive buffer (empty rows are masked), as
+in the padded form.
+
+`ragged_all_to_all` takes a tuple of axis names; it runs over the intra
+group `INTRA`, as the padded form does ('tensor' has size 1 for this
+layout). XLA:CPU does not implement it, so this layout runs on GPU/TPU only;
+the index arithmetic below is pure and tested on CPU. Gradients use JAX's
+transpose rule for the op (present in jax 0.10.2): the backward pass is the
+same exchange in reverse.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from moe_jax.config import MoEConfig
+from moe_jax.moe import dispatch as dsp
+from moe_jax.moe import experts as expert_impls
+from moe_jax.moe.losses import router_stats
+from moe_jax.moe.routing import Routing, route
+from moe_jax.parallel.layout import INTRA, ROUTER_STATS, TOKEN_EXCHANGE, Layout
+
+NAME = "ep_a2a_ragged"  # the `parallel.experts` name this layout is registered under
+
+
+def receive_bound(num_tokens: int, cfg: MoEConfig, local_experts: int) -> int:
+    """Rows one source can send one destination: the size B of its receive region."""
+    bound = num_tokens * min(cfg.top_k, local_experts)
+    if not cfg.dropless:
+        bound = min(bound, local_experts * cfg.capacity(num_tokens))
+    return bound
+
+
+def send_header(group_sizes: jax.Array, n: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """From rows per expert [E] of the sorted send buffer, what goes to each of n devices.
+
+    Returns send_sizes [n], input_offsets [n] (where each destination's rows start)
+    and the header [n, L + 1] sent to each destination: its experts' row counts,
+    then the offset of its rows here.
+    """
+    counts = group_sizes.astype(jnp.int32).reshape(n, -1)
+    sizes = counts.sum(1)
+    offsets = jnp.cumsum(sizes) - sizes
+    return sizes, offsets, jnp.concatenate([counts, offsets[:, None]], axis=1)
+
+
+def received_experts(counts: jax.Array, bound: int) -> tuple[jax.Array, jax.Array]:
+    """Local expert and presence of each row of a receive buffer [n * bound].
+
+    `counts` [n, L]: rows source s sent to each local expert, sorted by expert
+    and written from row s * bound. Rows past a source's count are empty
+    (expert 0, absent).
+    """
+    ends = jnp.cumsum(counts, axis=1)  # [n, L]
+    position = jnp.arange(bound, dtype=counts.dtype)
+    expert = (position[None, :, None] >= ends[:, None, :]).sum(-1, dtype=jnp.int32).reshape(-1)
+    present = expert < counts.shape[1]
+    return jnp.where(present, expert, 0), present
+
+
+def _varying_zeros(shape: tuple[int, ...], like: jax.Array) -> jax.Array:
+    """A zero buffer typed as varying over the mesh axes `like` varies over (a zero
+    taken from `like` carries the type). `ragged_all_to_all`'s result takes its type
+    from the buffer it writes into; a buffer typed as replicated would make JAX sum the
+    result's cotangent over devices in the backward pass."""
+    return jnp.zeros(shape, like.dtype) + jnp.zeros_like(like.reshape(-1)[0])
+
+
+def _ragged(rows, out_rows: int, input_offsets, send_sizes, output_offsets, recv_sizes):
+    """`ragged_all_to_all` of `rows` over the intra group into a fresh zero buffer."""
+    output = _varying_zeros((out_rows, *rows.shape[1:]), rows)
+    with jax.named_scope(TOKEN_EXCHANGE):
+        return jax.lax.ragged_all_to_all(
+            rows, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name=INTRA
+        )
+
+
+def _specs(layout, params):
+    experts = layout.weight_specs(expert_impls.AXES)
+    return layout.activation_spec(), type(params)(P(), P(), experts)
+
+
+def ragged_alltoall_moe(layout: Layout, forward, x: jax.Array, params, cfg: MoEConfig):
+    """x [b, s, d] split over the mesh as the attention layout left it."""
+    del forward  # this layout composes route, exchange and expert compute itself
+    n = layout.size(INTRA)  # the mesh's 'tensor' axis has size 1 for this layout
+    local_experts = cfg.num_experts // n
+    x_spec, param_spec = _specs(layout, params)
+    compute_cfg = dataclasses.replace(cfg, num_experts=local_experts, capacity_factor=0.0)
+    impl = expert_impls.IMPLS[expert_impls.resolve_impl(compute_cfg)]
+
+    def body(x, params):
+        batch, seq, dim = x.shape
+        tokens = x.reshape(batch * seq, dim)
+        routing = route(tokens, params.router, params.bias, cfg)  # drops decided per device
+        bound = receive_bound(tokens.shape[0], cfg, local_experts)
+        send = dsp.sorted_layout(routing, cfg.num_experts)  # by expert, so by destination
+        sizes, offsets, header = send_header(send.group_sizes, n)
+        with jax.named_scope(TOKEN_EXCHANGE):
+            header = jax.lax.all_to_all(header, INTRA, 0, 0, tiled=True)  # row s: from s
+        counts, their_offsets = header[:, :local_experts], header[:, local_experts]
+        recv_sizes = counts.sum(1)
+        regions = jnp.arange(n, dtype=jnp.int32) * bound  # source s writes from s * bound
+        mine = jnp.full(n, jax.lax.axis_index(INTRA) * bound, jnp.int32)
+        sent = dsp.dispatch(tokens, send)
+        rows = _ragged(sent, n * bound, offsets, sizes, mine, recv_sizes)
+        expert, present = received_experts(counts, bound)
+        received = Routing(
+            expert_index=expert[:, None],
+            weights=present[:, None].astype(jnp.float32),
+            keep=present[:, None],
+            logits=jnp.zeros((rows.shape[0], 1), jnp.float32),
+            probs=jnp.zeros((rows.shape[0], 1), jnp.float32),
+        )
+        results = impl(rows, received, params.experts, compute_cfg)
+        back = _ragged(results, send.source.shape[0], regions, recv_sizes, their_offsets, sizes)
+        y = dsp.combine(back, send, routing).reshape(x.shape)
+        with jax.named_scope(ROUTER_STATS):
+            stats = router_stats(routing, batch).combine(layout.batch_axes, layout.seq_axes)
+        return y, stats
+
+    return jax.shard_map(
+        body, mesh=layout.mesh, in_specs=(x_spec, param_spec), out_specs=(x_spec, P())
+    )(x, params)

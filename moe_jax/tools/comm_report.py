@@ -1,0 +1,257 @@
+"""`python -m moe_jax.tools.comm_report [--config=FILE] [--config.<a>.<b>=<v>] [--json]`
+
+Compiles one training step of the plan on the current devices (nothing is
+run, inputs are abstract) and lists the collectives XLA emitted, then checks
+the activation traffic per MoE layer against the analytic prediction of
+`moe_jax.parallel.comm_volume`. Why: a layout's communication volume is its
+reason to exist; this shows what the compiled program really moves.
+
+On a machine without 8 accelerators, force CPU devices:
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
+        python -m moe_jax.tools.comm_report --config=configs/mixtral_tiny.py
+
+Adding `--xla_backend_optimization_level=0` to XLA_FLAGS halves the CPU compile
+time; it lowers LLVM's effort only, and the HLO collectives stay the same.
+XLA:CPU has no bf16 collectives: its float-normalization-bf16 pass compiles the
+bf16 exchanges of a bfloat16 model as f32. The report then says so and also
+gives the bytes at the model's dtype (what an accelerator sends).
+
+Bytes are what ONE device SENDS per execution of a collective over g devices,
+S = its per-device buffer: all-gather (S = result), reduce-scatter (S =
+operand), all-to-all (S = operand) send S·(g-1)/g; all-reduce 2·S·(g-1)/g;
+collective-permute S. The paper's Eq. 2 counts the Ulysses all-to-alls at
+twice this; the paper's values are printed for reference only.
+
+Measured activation bytes per layer: forward collectives tagged
+`token_exchange` or `router_stats`, times their counts, divided by
+model.num_layers and train.grad_accum (the prediction is per micro-batch).
+With `--json` the last line of stdout is one JSON object.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from absl import app, flags
+from ml_collections import config_flags
+
+from moe_jax import config as config_lib
+from moe_jax.parallel import comm_volume
+from moe_jax.parallel import mesh as mesh_lib
+from moe_jax.tools import hlo_collectives
+from moe_jax.train_step import init_state, train_step
+
+CONVENTION = (
+    "bytes = sent by one device per execution; S = its buffer: all-gather, reduce-scatter, "
+    "all-to-all S·(g-1)/g; all-reduce 2·S·(g-1)/g; collective-permute S"
+)
+
+
+def validated(config: config_lib.Config, num_devices: int) -> config_lib.Config:
+    """The resolved plan, or a one-line ValueError before anything is compiled."""
+    config = mesh_lib.resolve(config, num_devices)
+    mesh_lib.check_plan(config, num_devices)
+    return config
+
+
+def compile_step(config: config_lib.Config, compiler_options: dict | None = None) -> str:
+    """HLO text of one compiled training step, laid out and sharded as the trainer does."""
+    mesh = mesh_lib.make_mesh(config)
+    layout = mesh_lib.make_layout(config, mesh)
+    graphdef, state = jax.eval_shape(lambda: init_state(config, layout))
+    state_sharding = mesh_lib.state_shardings(state, layout)
+    sharding = mesh_lib.batch_sharding(layout)
+    abstract = lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh)
+    state = jax.tree.map(abstract, state, state_sharding)
+    tokens = (config.train.batch_size, config.train.seq_len)
+    batch = {
+        key: jax.ShapeDtypeStruct(tokens, jnp.int32, sharding=sharding)
+        for key in ("inputs", "targets")
+    }
+    step_fn = jax.jit(
+        partial(train_step, graphdef, config),
+        in_shardings=(state_sharding, sharding),
+        out_shardings=(state_sharding, None),
+    )
+    compiled = step_fn.lower(state, batch).compile(compiler_options=compiler_options)
+    return compiled.as_text()
+
+
+def summarize(config: config_lib.Config, collectives: list) -> dict:
+    """The report of a resolved config from the collectives of its compiled step."""
+    m, p = config.model, config.parallel
+    per_layer = m.num_layers * config.train.grad_accum
+    forward = [c for c in collectives if c.role == "activation" and c.pass_ == "forward"]
+    measured = {tag: sum(c.total for c in forward if c.tag == tag) for tag in hlo_collectives.TAGS}
+    widened = _widened(config, forward)
+    at_model_dtype = measured["router_stats"] + sum(
+        c.total // 2 if widened and c.dtype == "f32" else c.total
+        for c in forward
+        if c.tag == "token_exchange"
+    )
+    predicted = _model(comm_volume.activation_bytes, config)
+    paper = _model(comm_volume.paper_bytes, config)
+    expected = dict.fromkeys(("predicted", "predicted_attention", "predicted_experts"))
+    if predicted is not None:
+        expected = {
+            "predicted": int(predicted.total),
+            "predicted_attention": int(predicted.attention),
+            "predicted_experts": int(predicted.experts),
+        }
+    total = sum(measured.values()) / per_layer
+    rows = hlo_collectives.aggregate(collectives)
+    return {
+        "attention": p.attention,
+        "experts": p.experts,
+        "n": p.intra,
+        "data": p.data,
+        "activation_bytes_per_layer": {
+            "measured": total,
+            **expected,
+            "ratio": total / expected["predicted"] if expected["predicted"] else None,
+            "measured_token_exchange": measured["token_exchange"] / per_layer,
+            "measured_router_stats": measured["router_stats"] / per_layer,
+            "measured_at_model_dtype": at_model_dtype / per_layer,
+            "widened_to_f32": widened,
+            "paper": None if paper is None else dataclasses.asdict(paper),
+        },
+        "param_grad_bytes_per_step": sum(c.total for c in collectives if c.role == "param_grad"),
+        "activation_bytes_per_step": sum(c.total for c in collectives if c.role == "activation"),
+        "dense_layers": m.num_layers - m.num_moe_layers,
+        "num_layers": m.num_layers,
+        "grad_accum": config.train.grad_accum,
+        "counts_known": all(c.count_known for c in collectives),
+        "collectives": [c.as_dict() for c in rows],
+    }
+
+
+def _model(formula, config: config_lib.Config) -> comm_volume.LayerBytes | None:
+    """The analytic volume, or None for a layout comm_volume has no model of."""
+    try:
+        return formula(config)
+    except ValueError:
+        return None
+
+
+def _widened(config: config_lib.Config, forward: list) -> bool:
+    """Whether bf16 token exchanges were compiled as f32 (XLA:CPU's float-normalization-bf16
+    pass does this: the CPU backend has no bf16 collectives)."""
+    floats = {c.dtype for c in forward if c.tag == "token_exchange"} & {"f32", "bf16"}
+    return config.model.dtype == "bfloat16" and floats == {"f32"}
+
+
+def report(config: config_lib.Config, compiler_options: dict | None = None) -> dict:
+    """Compiles one step of `config` (a loaded, possibly unresolved config) on the current
+    devices and reports its collectives; a plan that cannot run raises ValueError."""
+    config = validated(config, jax.device_count())
+    start = time.perf_counter()
+    hlo = compile_step(config, compiler_options)
+    result = summarize(config, hlo_collectives.parse(hlo))
+    result["compile_seconds"] = round(time.perf_counter() - start, 1)
+    return result
+
+
+def format_report(result: dict) -> str:
+    """The table of collectives and the summary, as printed."""
+    header = ("kind", "pass", "role", "tag", "group", "dtype", "bytes/device", "count", "total")
+    lines = [
+        f"collectives of one training step ({CONVENTION})",
+        f"{header[0]:<19}{header[1]:<9}{header[2]:<11}{header[3]:<15}{header[4]:>6} "
+        f"{header[5]:<6}{header[6]:>14}{header[7]:>7}{header[8]:>14}",
+    ]
+    silent = [c for c in result["collectives"] if c["bytes"] == 0]
+    for c in result["collectives"]:
+        if c["bytes"] == 0:
+            continue
+        unsure = "" if c["count_known"] else "  (loop trip count unknown: counted once)"
+        lines.append(
+            f"{c['kind']:<19}{c['pass']:<9}{c['role']:<11}{c['tag'] or '-':<15}"
+            f"{c['group_size']:>6} {c['dtype']:<6}{c['bytes']:>14,}{c['count']:>7}"
+            f"{c['bytes'] * c['count']:>14,}{unsure}"
+        )
+    if silent:
+        lines.append(f"({len(silent)} more over groups of one device move nothing; not listed)")
+    a = result["activation_bytes_per_layer"]
+    per = f"/ {result['num_layers']} layers" + (
+        f" / {result['grad_accum']} micro-batches" if result["grad_accum"] > 1 else ""
+    )
+    ratio = f"{a['ratio']:.3f}" if a["ratio"] is not None else "n/a (nothing predicted)"
+    predicted = (
+        f"{a['predicted']:>14,}  (attention {a['predicted_attention']:,}, "
+        f"experts {a['predicted_experts']:,})"
+        if a["predicted"] is not None
+        else f"{'n/a':>14}  (comm_volume has no model of this layout)"
+    )
+    lines += [
+        "",
+        f"plan: attention={result['attention']} experts={result['experts']} "
+        f"intra n={result['n']} data={result['data']}; compiled in "
+        f"{result['compile_seconds']} s",
+        f"activation bytes per MoE layer per device, forward ({per}):",
+        f"  measured  {a['measured']:>14,.0f}  (token_exchange "
+        f"{a['measured_token_exchange']:,.0f}, router_stats {a['measured_router_stats']:,.0f})",
+        f"  predicted {predicted}",
+        f"  measured / predicted = {ratio}",
+    ]
+    if a["paper"] is not None:
+        eq = comm_volume.PAPER_EQUATION
+        attention = eq.get(result["attention"], "no exchange")
+        experts = eq.get(result["experts"], "?")
+        lines.append(
+            f"  paper     {a['paper']['attention'] + a['paper']['experts']:>14,.0f}  "
+            f"(attention {attention}: {a['paper']['attention']:,.0f}, experts {experts}: "
+            f"{a['paper']['experts']:,.0f}; the paper's counting, no capacity padding)"
+        )
+    if a["widened_to_f32"]:
+        at_dtype = a["measured_at_model_dtype"]
+        at_ratio = f" (ratio {at_dtype / a['predicted']:.3f})" if a["predicted"] else ""
+        lines.append(
+            "  note: the program exchanges bf16, but XLA:CPU's float-normalization-bf16 pass "
+            "compiled those collectives as f32, doubling their bytes; at bf16 measured would "
+            f"be {at_dtype:,.0f}{at_ratio}"
+        )
+    if result["dense_layers"] and a["predicted"] is not None:
+        layers, dense = result["num_layers"], result["dense_layers"]
+        mix = a["predicted_attention"] + a["predicted_experts"] * (layers - dense) / layers
+        lines.append(
+            f"  note: {dense} of {layers} layers are dense (attention, no MoE block); measured "
+            f"is divided by all layers, so it is not one MoE layer's volume (predicted for "
+            f"this mix of layers: {mix:,.0f})"
+        )
+    if not result["counts_known"]:
+        lines.append("  note: some loop trip counts were unknown; those collectives count once")
+    lines.append(f"param_grad bytes per step per device: {result['param_grad_bytes_per_step']:,}")
+    return "\n".join(lines)
+
+
+def define_flags() -> None:
+    """The CLI's flags; defined only when run as a program, so that importing `report`
+    next to `moe_jax.train` (which owns a `--config` flag too) does not clash."""
+    config_flags.DEFINE_config_file("config", "configs/default.py", "Config file.")
+    flags.DEFINE_bool("json", False, "End stdout with one line of JSON.")
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise SystemExit(
+            f"error: unexpected arguments {argv[1:]}; settings go in --config.<a>.<b>="
+        )
+    try:
+        config = validated(config_lib.load(flags.FLAGS.config), jax.device_count())
+    except ValueError as error:
+        raise SystemExit(f"error: {error}") from None
+    result = report(config)
+    print(format_report(result), flush=True)
+    if flags.FLAGS.json:
+        print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(main)
