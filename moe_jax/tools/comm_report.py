@@ -27,6 +27,11 @@ Measured activation bytes per layer: forward collectives tagged
 `token_exchange` or `router_stats`, times their counts, divided by
 model.num_layers and train.grad_accum (the prediction is per micro-batch).
 With `--json` the last line of stdout is one JSON object.
+
+`--compare=tp+etp,sp+ep_a2a,sp+ep_ag` compiles each `attention+experts` plan
+of the same config instead and prints one table of their activation bytes,
+each also as a fraction of the first plan's (with `--json`, the last line is
+{"compare": [one report per plan]}).
 """
 
 from __future__ import annotations
@@ -230,11 +235,45 @@ def format_report(result: dict) -> str:
     return "\n".join(lines)
 
 
+def compare(config: config_lib.Config, plans: list[str], compiler_options=None) -> list[dict]:
+    """One report per `attention+experts` plan, all else as in `config`; every plan is
+    validated before the first compiles."""
+    configs = []
+    for plan in plans:
+        attention, _, experts = plan.partition("+")
+        if not experts:
+            raise ValueError(f"--compare entry {plan!r} must look like attention+experts")
+        parallel = dataclasses.replace(config.parallel, attention=attention, experts=experts)
+        one = dataclasses.replace(config, parallel=parallel)
+        config_lib.validate(one)
+        configs.append(validated(one, jax.device_count()))
+    return [report(one, compiler_options) for one in configs]
+
+
+def format_comparison(results: list[dict]) -> str:
+    """Activation bytes per MoE layer of several plans, the first one as the baseline."""
+    first = results[0]["activation_bytes_per_layer"]["measured"]
+    lines = [
+        f"activation bytes per MoE layer per device, forward (n={results[0]['n']}; {CONVENTION})",
+        f"{'plan':<16}{'measured':>14}{'predicted':>14}{'meas/pred':>11}{'vs first':>10}",
+    ]
+    for r in results:
+        a = r["activation_bytes_per_layer"]
+        predicted = f"{a['predicted']:>14,}" if a["predicted"] is not None else f"{'n/a':>14}"
+        ratio = f"{a['ratio']:>11.3f}" if a["ratio"] is not None else f"{'n/a':>11}"
+        lines.append(
+            f"{r['attention'] + '+' + r['experts']:<16}{a['measured']:>14,.0f}{predicted}"
+            f"{ratio}{a['measured'] / first:>10.3f}"
+        )
+    return "\n".join(lines)
+
+
 def define_flags() -> None:
     """The CLI's flags; defined only when run as a program, so that importing `report`
     next to `moe_jax.train` (which owns a `--config` flag too) does not clash."""
     config_flags.DEFINE_config_file("config", "configs/default.py", "Config file.")
     flags.DEFINE_bool("json", False, "End stdout with one line of JSON.")
+    flags.DEFINE_list("compare", [], "attention+experts plans to compare, e.g. tp+etp,sp+ep_a2a.")
 
 
 def main(argv: list[str]) -> None:
@@ -243,9 +282,18 @@ def main(argv: list[str]) -> None:
             f"error: unexpected arguments {argv[1:]}; settings go in --config.<a>.<b>="
         )
     try:
-        config = validated(config_lib.load(flags.FLAGS.config), jax.device_count())
+        config = config_lib.load(flags.FLAGS.config)
+        if flags.FLAGS.compare:
+            results = compare(config, flags.FLAGS.compare)
+        else:
+            config = validated(config, jax.device_count())
     except ValueError as error:
         raise SystemExit(f"error: {error}") from None
+    if flags.FLAGS.compare:
+        print(format_comparison(results), flush=True)
+        if flags.FLAGS.json:
+            print(json.dumps({"compare": results}), flush=True)
+        return
     result = report(config)
     print(format_report(result), flush=True)
     if flags.FLAGS.json:
