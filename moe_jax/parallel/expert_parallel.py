@@ -41,7 +41,7 @@ from moe_jax.parallel.layout import DATA, EXPERT, INTRA, ROUTER_STATS, TOKEN_EXC
 def allgather_moe(layout, forward, x: jax.Array, params, cfg):
     """x [b, s, d] split over the mesh as the attention layout left it."""
     axis = 1 if EXPERT in layout.seq_axes else 0  # where the intra group splits tokens
-    x_spec, param_spec = _specs(layout, params)
+    x_spec, param_spec = block_specs(layout, params)
     local_experts = params.experts.gate.shape[0] // layout.size(EXPERT)
 
     def body(x, params):
@@ -64,7 +64,8 @@ def allgather_moe(layout, forward, x: jax.Array, params, cfg):
     )(x, params)
 
 
-def _specs(layout, params):
+def block_specs(layout, params):
+    """Specs of an expert block's (tokens, MoEParams) under `layout`."""
     experts = layout.weight_specs(expert_impls.AXES)
     return layout.activation_spec(), type(params)(P(), P(), experts)
 
@@ -80,7 +81,7 @@ def alltoall_moe(layout, forward, x: jax.Array, params, cfg):
     del forward  # this layout composes route, exchange and expert compute itself
     n = layout.size(INTRA)  # the mesh's 'tensor' axis has size 1 for this layout
     local_experts = cfg.num_experts // n
-    x_spec, param_spec = _specs(layout, params)
+    x_spec, param_spec = block_specs(layout, params)
     compute_cfg = dataclasses.replace(cfg, num_experts=local_experts, capacity_factor=0.0)
     impl = expert_impls.IMPLS[expert_impls.resolve_impl(compute_cfg)]
 

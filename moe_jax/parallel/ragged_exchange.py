@@ -54,6 +54,7 @@ from moe_jax.moe import dispatch as dsp
 from moe_jax.moe import experts as expert_impls
 from moe_jax.moe.losses import router_stats
 from moe_jax.moe.routing import Routing, route
+from moe_jax.parallel.expert_parallel import block_specs
 from moe_jax.parallel.layout import INTRA, ROUTER_STATS, TOKEN_EXCHANGE, Layout
 
 NAME = "ep_a2a_ragged"  # the `parallel.experts` name this layout is registered under
@@ -111,17 +112,12 @@ def _ragged(rows, out_rows: int, input_offsets, send_sizes, output_offsets, recv
         )
 
 
-def _specs(layout, params):
-    experts = layout.weight_specs(expert_impls.AXES)
-    return layout.activation_spec(), type(params)(P(), P(), experts)
-
-
 def ragged_alltoall_moe(layout: Layout, forward, x: jax.Array, params, cfg: MoEConfig):
     """x [b, s, d] split over the mesh as the attention layout left it."""
     del forward  # this layout composes route, exchange and expert compute itself
     n = layout.size(INTRA)  # the mesh's 'tensor' axis has size 1 for this layout
     local_experts = cfg.num_experts // n
-    x_spec, param_spec = _specs(layout, params)
+    x_spec, param_spec = block_specs(layout, params)
     compute_cfg = dataclasses.replace(cfg, num_experts=local_experts, capacity_factor=0.0)
     impl = expert_impls.IMPLS[expert_impls.resolve_impl(compute_cfg)]
 
