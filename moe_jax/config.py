@@ -125,6 +125,8 @@ class DataConfig:
 class ParallelConfig:
     """The plan: how each block kind is laid out on a (data, intra) device mesh."""
 
+    layout: str = "manual"  # manual (the settings below) or auto (the planner picks them)
+    gpu: str = ""  # layout=auto: hardware preset the planner assumes; "" = this device's, else h800
     attention: str = "dp"  # dp, fsdp, tp (Megatron + sequence-parallel norms), sp (Ulysses)
     experts: str = "auto"  # ep_ag, ep_a2a, etp (expert width split), ep_etp, or auto
     ag_threshold: float = 0.75  # auto picks ep_ag when moe.top_k / intra exceeds this
@@ -325,6 +327,9 @@ def validate(config: Config) -> None:
     )
     _check(p.experts in EXPERT_LAYOUTS, "parallel.experts", p.experts, f"valid: {EXPERT_LAYOUTS}")
     _positive(p, "parallel", "etp")
+    _check(p.layout in ("manual", "auto"), "parallel.layout", p.layout, "valid: manual or auto")
+    gpus = ("", "h800", "h100", "h200", "a100", "h20")
+    _check(p.gpu.lower() in gpus, "parallel.gpu", p.gpu, f"valid: {gpus}")
     _check(p.zero in (0, 1), "parallel.zero", p.zero, "valid: 0 or 1 (fsdp covers weights)")
     _check(p.ag_threshold > 0, "parallel.ag_threshold", p.ag_threshold, "must be > 0")
     profile_steps(config.profile)

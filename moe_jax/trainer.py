@@ -85,7 +85,15 @@ def run(config: config_lib.Config, workdir: str | Path) -> dict[str, Any]:
     process, processes = jax.process_index(), jax.process_count()
     checkpoints = Checkpointer(workdir / "checkpoints", tc.keep_checkpoints)
     try:
+        chose = config.parallel.layout == "auto"
         config = mesh_lib.resolve(config, jax.device_count())
+        if chose:
+            p = config.parallel
+            print(
+                f"planner chose attention={p.attention} experts={p.experts} intra={p.intra} "
+                f"data={p.data} zero={p.zero}",
+                flush=True,
+            )
         mesh_lib.check_plan(config, jax.device_count())
         train_batches = pipeline.make_iterator(config, "train", process, processes)
         pipeline.make_iterator(config, "val", shuffle=False)  # fails early on a bad val split

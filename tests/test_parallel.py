@@ -286,3 +286,25 @@ def test_three_optimizer_steps_match_single_device(
             if moment.ndim and moment.size > 1:
                 shard = moment.addressable_shards[0].data
                 assert shard.size * data <= moment.size, moment.sharding
+
+
+def test_trainer_takes_the_planners_layout(tmp_path, capsys):
+    """`parallel.layout='auto'`: the planner's choice for these 8 devices is applied,
+    printed, logged, and runs."""
+    from moe_jax import trainer
+    from moe_jax.config import DataConfig
+    from moe_jax.metrics import read_rows
+    from moe_jax.plan.planner import choose_plan
+
+    config = dataclasses.replace(
+        BASE,
+        parallel=ParallelConfig(layout="auto"),
+        train=TrainConfig(batch_size=8, seq_len=16, steps=2, log_every=1, eval_batches=1),
+        data=DataConfig(source="synthetic"),
+    )
+    chosen = choose_plan(config, 8, "h800")
+    trainer.run(config, tmp_path)
+    row = [r for r in read_rows(tmp_path / "metrics.jsonl") if "loss" in r][-1]
+    assert {k: row[f"plan_{k}"] for k in chosen} == chosen
+    assert row["plan_data"] * row["plan_intra"] == 8
+    assert f"planner chose attention={chosen['attention']}" in capsys.readouterr().out

@@ -64,9 +64,28 @@ def expert_layout(config: Config) -> str:
     return "ep_ag" if config.moe.top_k / p.intra > p.ag_threshold else "ep_a2a"
 
 
+def _planner_gpu(config: Config) -> str:
+    """`parallel.gpu`, else the preset named in this device's kind, else H800."""
+    if config.parallel.gpu:
+        return config.parallel.gpu
+    kind = jax.devices()[0].device_kind.lower()
+    for name in ("h800", "h100", "h200", "h20", "a100"):
+        if name in kind:
+            return name
+    return "h800"
+
+
 def resolve(config: Config, num_devices: int) -> Config:
-    """The plan made concrete: `parallel.data=0` becomes the devices left over by
-    `intra`, and `parallel.experts='auto'` the layout the rule picks."""
+    """The plan made concrete: `parallel.layout='auto'` becomes the planner's choice for
+    these devices, `parallel.data=0` the devices left over by `intra`, and
+    `parallel.experts='auto'` the layout the paper's rule picks."""
+    if config.parallel.layout == "auto":
+        from moe_jax.plan.planner import choose_plan  # the planner imports this module
+
+        manual = dataclasses.replace(config.parallel, layout="manual")
+        config = dataclasses.replace(config, parallel=manual)
+        chosen = choose_plan(config, num_devices, _planner_gpu(config))
+        config = dataclasses.replace(config, parallel=dataclasses.replace(manual, **chosen))
     p = dataclasses.replace(config.parallel, experts=expert_layout(config))
     if not p.data:
         if num_devices % p.intra:

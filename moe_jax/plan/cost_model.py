@@ -1,0 +1,615 @@
+"""Analytic time of one training step of a plan on a GPU cluster.
+
+Why: ranking layouts needs a prediction that can be explained term by term
+(compute, exposed communication per kind, pipeline bubble), not a black box.
+
+Model, per device and per micro-batch of the slowest pipeline stage:
+  * compute: FLOPs and bytes of each operator (attention projections, the
+    attention core, grouped expert GEMMs, router, memory-bound norms, rotary,
+    permute, SwiGLU and combine); time by roofline, max(FLOPs / (peak * eff),
+    bytes / (HBM * eff)). Backward costs 2x forward for GEMMs and memory-bound
+    ops, 2.5x for the attention core (five matmuls against two); remat "full"
+    runs the forward once more, its exchanges included, "selective" only its
+    memory-bound operators (`Plan.remat`, default the config's). GEMM efficiency
+    falls with the reduction length of the real per-device shapes
+    (`tile_factor`), which tensor parallelism shortens. Every micro-batch also
+    reads and writes the float32 gradient accumulator.
+  * communication: alpha-beta, (g-1) * alpha + bytes sent / achievable bandwidth,
+    with the activation bytes of `moe_jax.parallel.comm_volume`, inside the
+    node over NVLink, across nodes over the per-GPU NIC.
+  * overlap (`Plan.overlap`): "none" exposes every exchange inside the step and
+    runs the token permute and combine as passes of their own, as Megatron-LM
+    does; "megascale" pipelines each block's exchange with that block's GEMMs
+    over `Efficiency.overlap_chunks` chunks, exposing only
+    max(0, comm - compute) + min(comm, compute) / chunks, and fuses the row
+    gather and scatter into the grouped GEMM (the paper's intra-operator
+    fusion). Both overlap the data-parallel gradient sync
+    (`param_traffic.hierarchical_sync_bytes`, float32, or halved with
+    `Plan.grad_dtype="bfloat16"`) with the last micro-batch's backward, except
+    the first layer's share (its gradients are ready last).
+  * pipeline: 1F1B, step = (m + p - 1) * t_micro_batch, i.e. a bubble of
+    (p-1)/(m+p-1); stage-to-stage activations are sent every micro-batch.
+
+Constants (`Efficiency`), each from a public measurement, none fitted to the
+paper's table:
+  * gemm 0.70: cuBLAS BF16 GEMMs of training shapes on H100-class parts reach
+    0.7-0.8 of the 989 TFLOP/s datasheet peak (the same die as H800).
+  * grouped_gemm 0.47 = 0.70 x 2/3: the grouped GEMMs of the paper's baseline era
+    (CUTLASS 2.x DefaultGemmGrouped, behind Megatron-LM's --moe-grouped-gemm) use
+    the sm80 mma.sync instruction, which reaches about 2/3 of Hopper's
+    tensor-core peak (FlashAttention-3 paper, Shah et al. 2024).
+  * attention 0.35: FlashAttention-2 on H100, ~350 TFLOP/s at head dim 128
+    (the FlashAttention-3 paper's baseline).
+  * memory 0.80: achievable share of HBM bandwidth for streaming kernels.
+  * nvlink 0.78 and network 0.88: DeepEP on H800 moves 153-158 GB/s over NVLink
+    (200 GB/s each way) and 43-47 GB/s over 400 Gb/s InfiniBand (50 GB/s).
+  * latencies 3 us per NVLink step and 10 us per network step (NCCL-class).
+  * overlap_chunks 4: not measured but a design choice of the overlap, the
+    pieces a block's tokens are cut into; the first piece's exchange and the
+    last piece's compute cannot hide.
+  * tile_overhead 512 and reference_reduction 4096, first principles: a
+    128x256 output tile's epilogue writes 64 KiB and its prologue loads one
+    64-deep slice of both operands (48 KiB) before the first MMA; at one SM's
+    share of HBM (3.35 TB/s / 132 = 25 GB/s) that is ~4.4 us, while one 64-deep
+    step of the tile at peak (2*128*256*64 FLOP at 989/132 TFLOP/s) takes
+    ~0.56 us: ~8 steps, 512 reduction elements. `gemm` was measured on training
+    shapes reducing over the hidden size (~4096), so the factor is 1 there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from moe_jax.config import Config
+from moe_jax.flops import flops_per_token
+from moe_jax.parallel import comm_volume
+from moe_jax.plan.hardware import GPU
+
+OVERLAPS = ("none", "megascale")
+GRAD_SYNCS = ("hierarchical", "per_micro_batch")
+REMATS = ("", "none", "selective", "full")
+ATTENTION_LAYOUTS = ("dp", "fsdp", "tp", "sp")
+EXPERT_LAYOUTS = ("ep_a2a", "ep_a2a_ragged", "ep_ag", "etp", "ep_etp")
+PARAM_BYTES = 4  # parameters are float32; fsdp gathers them as stored
+ADAM_BYTES_PER_PARAM = 28  # read grad, param, m, v (16); write param, m, v (12)
+
+
+@dataclasses.dataclass(frozen=True)
+class Efficiency:
+    """Achievable fractions of datasheet peaks (sources in the module docstring)."""
+
+    gemm: float = 0.70  # dense BF16 GEMMs
+    grouped_gemm: float = 0.47  # expert GEMMs: 2/3 of `gemm` (mma.sync-era kernels)
+    attention: float = 0.35  # FlashAttention-2 forward and backward
+    memory: float = 0.80  # HBM, for memory-bound operators
+    nvlink: float = 0.78  # of NVLink's one-way bandwidth
+    network: float = 0.88  # of the NIC's bandwidth
+    nvlink_latency_s: float = 3e-6  # per ring or all-to-all step inside a node
+    network_latency_s: float = 10e-6  # per step across nodes
+    overlap_chunks: int = 4  # chunks a block's exchange is pipelined over ("megascale")
+    tile_overhead: float = 512  # reduction steps of a tile's prologue + epilogue (`tile_factor`)
+    reference_reduction: float = 4096  # reduction length of the shapes `gemm` was measured on
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """One candidate layout: the two block layouts, the mesh and the batch split."""
+
+    attention: str
+    experts: str
+    intra: int  # n: devices of one intra-node group
+    data: int  # data-parallel groups (per pipeline stage)
+    pp: int = 1  # pipeline stages
+    micro_batch: int = 1  # sequences per micro-batch of one data group
+    zero: int = 0  # 1: optimizer state split over data
+    etp: int = 2  # experts=ep_etp: devices splitting each expert's width
+    overlap: str = "megascale"
+    grad_sync: str = "hierarchical"  # or "per_micro_batch" (the trainer as compiled today)
+    remat: str = ""  # "full", "selective" or "none"; "" = the config's model.remat
+    grad_dtype: str = "float32"  # of the data-parallel gradient exchange ("bfloat16": halved)
+
+    @property
+    def devices(self) -> int:
+        return self.intra * self.data * self.pp
+
+    @property
+    def label(self) -> str:
+        return f"{self.attention}+{self.experts}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    bandwidth: float  # achievable bytes/s one device sends
+    latency: float  # seconds per step
+
+
+def collective_time(bytes_sent: float, group: int, link: Link, count: int = 1) -> float:
+    """`count` ring all-gathers / reduce-scatters or pairwise all-to-alls over `group`
+    devices: (g-1) latency steps each, plus the bytes one device sends over the link."""
+    if group <= 1 or bytes_sent <= 0:
+        return 0.0
+    return count * (group - 1) * link.latency + bytes_sent / link.bandwidth
+
+
+def all_gather_time(result_bytes: float, group: int, link: Link) -> float:
+    """Ring all-gather of a result of `result_bytes` per device (sends (g-1)/g of it)."""
+    return collective_time(result_bytes * (group - 1) / group, group, link)
+
+
+def bubble_fraction(stages: int, micro_batches: int) -> float:
+    """1F1B pipeline bubble: the share of the step a stage idles, (p-1)/(m+p-1)."""
+    return (stages - 1) / (micro_batches + stages - 1)
+
+
+def exposed(comm: float, compute: float, overlap: str, chunks: int) -> float:
+    """Communication left on the critical path when it is pipelined with `compute`."""
+    if overlap == "none":
+        return comm
+    return max(0.0, comm - compute) + min(comm, compute) / chunks
+
+
+@dataclasses.dataclass
+class Tally:
+    """Seconds by kind: compute kinds, exposed and hidden exchanges."""
+
+    compute: dict[str, float] = dataclasses.field(default_factory=dict)
+    exposed: dict[str, float] = dataclasses.field(default_factory=dict)
+    hidden: dict[str, float] = dataclasses.field(default_factory=dict)
+    backward: float = 0.0  # seconds of backward passes (what gradient sync can hide behind)
+
+    def add(self, other: Tally, times: float = 1.0) -> None:
+        self.backward += other.backward * times
+        for mine, theirs in (
+            (self.compute, other.compute),
+            (self.exposed, other.exposed),
+            (self.hidden, other.hidden),
+        ):
+            for key, value in theirs.items():
+                mine[key] = mine.get(key, 0.0) + value * times
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.compute.values()) + sum(self.exposed.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+    """The prediction for one plan: time, throughput and where the time goes."""
+
+    plan: Plan
+    step_s: float
+    tokens_per_sec: float
+    mfu: float
+    micro_batches: int
+    micro_batch_s: float  # slowest stage, forward + backward (+ recompute)
+    breakdown: dict[str, float]  # seconds per step on the critical path; sums to step_s
+    hidden: dict[str, float]  # communication seconds per step hidden behind compute
+
+    @property
+    def bubble(self) -> float:
+        return bubble_fraction(self.plan.pp, self.micro_batches)
+
+
+Gemm = tuple[float, float, float]  # forward (rows, columns, reduction length) of one GEMM
+
+
+def tile_factor(reduction: float, eff: Efficiency) -> float:
+    """Share of `eff.gemm` a GEMM reaching over `reduction` keeps: each output tile pays a
+    fixed prologue and epilogue (`Efficiency.tile_overhead` reduction steps), so short
+    reductions (tensor parallelism's 512-deep attention output and 1792-deep expert down
+    projections, 768-row weight gradients) run slower than the shapes `gemm` was measured
+    on (`Efficiency.reference_reduction` deep); never above 1."""
+    k0, ref = eff.tile_overhead, eff.reference_reduction
+    return min(1.0, reduction / (reduction + k0) * (ref + k0) / ref)
+
+
+def gemm_factor(shapes: tuple[Gemm, ...], backward: bool, eff: Efficiency) -> float:
+    """FLOP-weighted tile factor of a group of GEMMs. Backward runs each as a data-gradient
+    GEMM reducing over its columns and a weight-gradient GEMM reducing over its rows."""
+    if not shapes:
+        return 1.0
+    reductions = [(n, m) if backward else (k,) for m, n, k in shapes]
+    work = [m * n * k for m, n, k in shapes]
+    slow = sum(
+        w * sum(1 / tile_factor(r, eff) for r in rs) / len(rs)
+        for w, rs in zip(work, reductions, strict=True)
+    )
+    return sum(work) / slow
+
+
+@dataclasses.dataclass(frozen=True)
+class _Op:
+    name: str  # what the breakdown calls it
+    kind: str  # which efficiency applies: gemm, grouped_gemm, attention or memory
+    flops: float
+    bytes: float
+    shapes: tuple[Gemm, ...] = ()  # the GEMMs behind `flops`, for `gemm_factor`
+
+
+@dataclasses.dataclass(frozen=True)
+class _Exchange:
+    kind: str  # attention_exchange, expert_exchange, weight_gather
+    bytes: float
+    group: int
+    count: int  # collectives per pass (latency terms)
+    link: Link
+
+    @property
+    def seconds(self) -> float:
+        return collective_time(self.bytes, self.group, self.link, self.count)
+
+
+BACKWARD = {"gemm": 2.0, "grouped_gemm": 2.0, "attention": 2.5, "memory": 2.0}
+COMPUTE_KINDS = ("gemm", "grouped_gemm", "attention")  # what exchanges can hide behind
+
+
+class CostModel:
+    """Per-operator, per-exchange costs of one plan of one config on one GPU type."""
+
+    def __init__(
+        self, config: Config, plan: Plan, gpu: GPU, global_batch: int, eff: Efficiency
+    ) -> None:
+        self.config, self.plan, self.gpu, self.eff = config, plan, gpu, eff
+        self.global_batch = global_batch
+        self.micro_batches = global_batch // (plan.data * plan.micro_batch)
+        self.sized = sized_config(config, plan, global_batch)
+        m = config.model
+        self.B = comm_volume.DTYPE_BYTES[m.dtype]
+        self.T = plan.micro_batch * config.train.seq_len  # tokens of a group per micro-batch
+        self.t = self.T / plan.intra  # tokens per device
+        self.intra = Link(gpu.nvlink_one_way * eff.nvlink, eff.nvlink_latency_s)
+        self.network = Link(gpu.network_bandwidth * eff.network, eff.network_latency_s)
+        stage_devices = plan.intra * plan.data
+        self.data_link = self.network if stage_devices > gpu.gpus_per_node else self.intra
+        self.stage_link = self.network if plan.devices > gpu.gpus_per_node else self.intra
+        self.activation = _activation_bytes(self.sized)
+
+    # --- operators (forward, one micro-batch, one device) -----------------------------
+
+    def _time(self, op: _Op, backward: bool = False) -> float:
+        g, e = self.gpu, self.eff
+        memory = op.bytes / (g.hbm_bandwidth * e.memory)
+        if op.kind == "memory":
+            return memory
+        rate = g.peak_flops * getattr(e, op.kind) * gemm_factor(op.shapes, backward, e)
+        return max(op.flops / rate, memory)
+
+    def _rows(self) -> float:
+        """Rows of a dense GEMM on one device: tp gathers the group's tokens first."""
+        return self.T if self.plan.attention == "tp" else self.t
+
+    def attention_ops(self) -> list[_Op]:
+        m, p, t, B = self.config.model, self.plan, self.t, self.B
+        h, hd, heads, kv = m.embed_dim, m.head_dim, m.num_heads, m.num_kv_heads
+        weights = h * hd * (2 * heads + 2 * kv)
+        split = p.intra if p.attention == "tp" else 1
+        context = (self.config.train.seq_len + 1) / 2  # mean keys per causal query
+        qkvo = t * (2 * heads + 2 * kv) * hd * B
+        rows = self._rows()
+        shapes = ((rows, (heads + 2 * kv) * hd / split, h), (rows, h, heads * hd / split))
+        return [
+            _Op(
+                "dense_gemm",
+                "gemm",
+                2 * t * weights,
+                weights * B / split + qkvo + 2 * t * h * B,
+                shapes,
+            ),
+            _Op("attention_core", "attention", 4 * t * context * heads * hd, qkvo),
+            _Op("elementwise", "memory", 0.0, t * (5 * h + 2 * (heads + kv) * hd) * B),
+        ]
+
+    def mlp_ops(self) -> list[_Op]:
+        m, p, t, B = self.config.model, self.plan, self.t, self.B
+        h, width = m.embed_dim, m.mlp_dim
+        split = p.intra if p.attention == "tp" else 1
+        io = t * (2 * h + 3 * width) * B
+        shapes = ((self._rows(), 2 * width / split, h), (self._rows(), h, width / split))
+        return [
+            _Op("dense_gemm", "gemm", 6 * t * h * width, 3 * h * width * B / split + io, shapes),
+            _Op("elementwise", "memory", 0.0, t * (5 * h + 3 * width) * B),
+        ]
+
+    def moe_ops(self) -> list[_Op]:
+        """Router, grouped expert GEMMs, shared experts, and the memory-bound rest. With
+        `overlap="megascale"` the row gather and the weighted scatter are fused into the
+        grouped GEMM (the paper's intra-operator fusion), so they cost no pass of their own."""
+        m, e, p, B = self.config.model, self.config.moe, self.plan, self.B
+        T, t, n, h, f, k = self.T, self.t, p.intra, m.embed_dim, e.expert_mlp_dim, e.top_k
+        routed = t if p.experts in ("ep_a2a", "ep_a2a_ragged") else T  # else after a gather
+        rows = T * k / n  # expert rows x full width per device, every layout (balanced)
+        permuted = {"etp": T * k, "ep_etp": T * k * p.etp / n}.get(p.experts, rows)
+        weights = 3 * h * f * e.num_experts / n
+        shared = e.num_shared_experts * e.shared_mlp_dim
+        fused = p.overlap == "megascale"
+        width = f / {"etp": n, "ep_etp": p.etp}.get(p.experts, 1)  # of each local expert
+        per_expert = T * k / e.num_experts  # rows each expert receives (balanced)
+        expert_shapes = ((per_expert, 2 * width, h), (per_expert, h, width))
+        ops = [
+            _Op("dense_gemm", "gemm", 2 * routed * h * e.num_experts, routed * h * B),
+            _Op(
+                "expert_gemm",
+                "grouped_gemm",
+                6 * h * f * rows,
+                weights * B + (2 * permuted * h + 3 * rows * f) * B,
+                expert_shapes,
+            ),
+            _Op(
+                "routing_permute",
+                "memory",
+                0.0,
+                12 * routed * e.num_experts  # softmax and top-k in float32
+                + (0 if fused else 4 * permuted * h * B)  # gather rows, scatter back
+                + routed * h * B,  # the combined output
+            ),
+            _Op("elementwise", "memory", 0.0, (5 * t * h + 3 * rows * f + 3 * t * shared) * B),
+        ]
+        if shared:
+            io = t * (2 * h + 3 * shared) * B
+            ops.append(_Op("dense_gemm", "gemm", 6 * t * h * shared, 3 * h * shared * B + io))
+        return ops
+
+    def head_ops(self) -> list[_Op]:
+        m, p, t, B = self.config.model, self.plan, self.t, self.B
+        split = p.intra if p.attention == "tp" else 1
+        weights = m.embed_dim * m.vocab_size
+        logits = t * m.vocab_size * 4
+        return [
+            _Op("dense_gemm", "gemm", 2 * t * weights, weights * B / split + logits),
+            _Op("elementwise", "memory", 0.0, 3 * logits),  # softmax cross-entropy
+        ]
+
+    # --- exchanges -------------------------------------------------------------------
+
+    def attention_exchanges(self) -> list[_Exchange]:
+        p, m = self.plan, self.config.model
+        if p.attention in ("tp", "sp"):
+            return [
+                _Exchange("attention_exchange", self.activation.attention, p.intra, 2, self.intra)
+            ]
+        if p.attention == "fsdp":
+            weights = m.embed_dim * m.head_dim * (2 * m.num_heads + 2 * m.num_kv_heads)
+            return [self._weight_gather(weights)]
+        return []
+
+    def mlp_exchanges(self) -> list[_Exchange]:
+        p, m = self.plan, self.config.model
+        if p.attention == "tp":  # the same all-gather in, reduce-scatter out
+            return [
+                _Exchange("attention_exchange", self.activation.attention, p.intra, 2, self.intra)
+            ]
+        if p.attention == "fsdp":
+            return [self._weight_gather(3 * m.embed_dim * m.mlp_dim)]
+        return []
+
+    def moe_exchanges(self) -> list[_Exchange]:
+        p = self.plan
+        return [_Exchange("expert_exchange", self.activation.experts, p.intra, 2, self.intra)]
+
+    def _weight_gather(self, params: int) -> _Exchange:
+        d = self.plan.data
+        return _Exchange("weight_gather", params * PARAM_BYTES * (d - 1) / d, d, 1, self.data_link)
+
+    # --- blocks, layers, stages ------------------------------------------------------
+
+    def _pass(self, ops: list[_Op], exchanges: list[_Exchange], backward: bool) -> Tally:
+        """One pass of a block: operator times, then its exchanges against its GEMMs."""
+        compute: dict[str, float] = {}
+        partner = 0.0
+        for op in ops:
+            seconds = self._time(op, backward) * (BACKWARD[op.kind] if backward else 1.0)
+            compute[op.name] = compute.get(op.name, 0.0) + seconds
+            partner += seconds if op.kind in COMPUTE_KINDS else 0.0
+        tally = Tally(compute=compute)
+        for x in exchanges:
+            comm = x.seconds
+            shown = exposed(comm, partner, self.plan.overlap, self.eff.overlap_chunks)
+            partner = max(0.0, partner - (comm - shown))
+            tally.add(Tally(exposed={x.kind: shown}, hidden={x.kind: comm - shown}))
+        tally.backward = tally.seconds if backward else 0.0
+        return tally
+
+    @property
+    def remat(self) -> str:
+        return self.plan.remat or self.config.model.remat
+
+    def block(self, ops: list[_Op], exchanges: list[_Exchange]) -> Tally:
+        """Forward, backward and recompute of one block for one micro-batch: "full" runs
+        the whole forward again, exchanges included; "selective" (MegaScale-MoE's selective
+        activation rematerialization) only the memory-bound operators, whose outputs are
+        large and cheap to rebuild, keeping every GEMM's and exchange's result."""
+        tally = self._pass(ops, exchanges, backward=False)
+        tally.add(self._pass(ops, exchanges, backward=True))
+        if self.remat == "full":
+            tally.add(self._pass(ops, exchanges, backward=False))
+        elif self.remat == "selective":
+            tally.add(self._pass([op for op in ops if op.kind == "memory"], [], backward=False))
+        return tally
+
+    def layer(self, moe: bool) -> Tally:
+        tally = self.block(self.attention_ops(), self.attention_exchanges())
+        if moe:
+            tally.add(self.block(self.moe_ops(), self.moe_exchanges()))
+        else:
+            tally.add(self.block(self.mlp_ops(), self.mlp_exchanges()))
+        return tally
+
+    def head(self) -> Tally:
+        """Output head and loss on the last stage (outside remat)."""
+        tally = self._pass(self.head_ops(), [], backward=False)
+        tally.add(self._pass(self.head_ops(), [], backward=True))
+        return tally
+
+    def layer_params(self, moe: bool) -> float:
+        """Parameters of one layer on one device (tp splits attention and dense weights
+        over the intra group, fsdp over data; experts always over the intra group)."""
+        m, e, p = self.config.model, self.config.moe, self.plan
+        h = m.embed_dim
+        split = {"tp": p.intra, "fsdp": p.data}.get(p.attention, 1)
+        attention = h * m.head_dim * (2 * m.num_heads + 2 * m.num_kv_heads) / split
+        if not moe:
+            return attention + 3 * h * m.mlp_dim / split
+        shared = 3 * h * e.shared_mlp_dim * e.num_shared_experts / split
+        return (
+            attention
+            + 3 * h * e.expert_mlp_dim * e.num_experts / p.intra
+            + h * e.num_experts
+            + shared
+        )
+
+    def stage_params(self) -> list[float]:
+        """Parameters one device holds on each stage: its layers, the embedding on the
+        first, the head on the last."""
+        m, p = self.config.model, self.plan
+        is_moe = [_is_moe_layer(m, i) for i in range(m.num_layers)]
+        table = m.vocab_size * m.embed_dim / (p.intra if p.attention == "tp" else 1)
+        out = []
+        for s, layers in enumerate(self.stage_layers()):
+            ends = (s == 0) + (s == p.pp - 1 and not m.tie_embeddings)
+            out.append(sum(self.layer_params(is_moe[i]) for i in layers) + ends * table)
+        return out
+
+    def stage_layers(self) -> list[range]:
+        """Layers of each stage: the model cut into pp contiguous, near-equal parts."""
+        n, pp = self.config.model.num_layers, self.plan.pp
+        bounds = [round(s * n / pp) for s in range(pp + 1)]
+        return [range(bounds[s], bounds[s + 1]) for s in range(pp)]
+
+    def accumulation_s(self, params: float) -> float:
+        """Each micro-batch adds its weight gradients into the float32 accumulator: one
+        read and one write of 4 bytes per parameter (one write when there is one)."""
+        per_param = 8 if self.micro_batches > 1 else 4
+        return params * per_param / (self.gpu.hbm_bandwidth * self.eff.memory)
+
+    def stages(self) -> list[Tally]:
+        """Per micro-batch, forward + backward, of each pipeline stage."""
+        m, p = self.config.model, self.plan
+        is_moe = [_is_moe_layer(m, i) for i in range(m.num_layers)]
+        layer = {kind: self.layer(kind) for kind in set(is_moe)}
+        p2p = 0.0
+        if p.pp > 1:  # activations in and gradients back, each this device's tokens
+            p2p = 2 * collective_time(self.t * m.embed_dim * self.B, 2, self.stage_link)
+        stages = []
+        params = self.stage_params()
+        for s, layers in enumerate(self.stage_layers()):
+            tally = Tally(compute={"grad_accumulation": self.accumulation_s(params[s])})
+            for i in layers:
+                tally.add(layer[is_moe[i]])
+            if s == p.pp - 1:
+                tally.add(self.head())
+            if p2p:
+                tally.add(Tally(exposed={"pipeline_p2p": p2p}))
+            stages.append(tally)
+        return stages
+
+    def grad_sync_s(self, backward_s: float, stage_layers: int) -> tuple[float, float]:
+        """(exposed, hidden) seconds per step of the data-parallel gradient sync of one
+        stage. "hierarchical" (the paper): once per step, overlapping the last
+        micro-batch's backward except the first layer's share (its gradients are ready
+        last). "per_micro_batch" (what XLA compiles for the trainer today): an
+        all-reduce inside every micro-batch's backward, overlapping it the same way."""
+        from moe_jax.plan import param_traffic
+
+        p = self.plan
+        layers = max(stage_layers, 1)
+        window = backward_s * (1 - 1 / layers)
+        if p.grad_sync == "per_micro_batch":
+            link = self.data_link if p.data > 1 else self.intra
+            sent = param_traffic.gradient_bytes_per_step(self.sized) / p.pp / self.micro_batches
+            once = sent / link.bandwidth
+            shown = max(once - window, once / layers) if sent else 0.0
+            return shown * self.micro_batches, (once - shown) * self.micro_batches
+        volume = param_traffic.hierarchical_sync_bytes(self.sized)
+        scale = comm_volume.DTYPE_BYTES[p.grad_dtype] / PARAM_BYTES  # bf16 exchange: half
+        intra = volume["intra"] * scale / p.pp / self.intra.bandwidth
+        inter = volume["inter"] * scale / p.pp / self.data_link.bandwidth
+        steps = (p.intra - 1) * 2 * self.intra.latency + (p.data - 1) * 2 * self.data_link.latency
+        total = intra + inter + steps * (volume["intra"] + volume["inter"] > 0)
+        shown = max(total - window, total / layers)
+        return shown, total - shown
+
+    def optimizer_s(self) -> float:
+        """AdamW update: memory-bound over the largest stage's parameters on one device
+        (the moments split over data by ZeRO-1)."""
+        shards = self.plan.data if self.plan.zero else 1
+        bandwidth = self.gpu.hbm_bandwidth * self.eff.memory
+        return max(self.stage_params()) / shards * ADAM_BYTES_PER_PARAM / bandwidth
+
+    def step(self) -> StepCost:
+        p, m = self.plan, self.config.model
+        stages = self.stages()
+        slowest = max(range(p.pp), key=lambda s: stages[s].seconds)
+        stage = stages[slowest]
+        t_mb = stage.seconds
+        mbs = self.micro_batches
+        breakdown = {k: v * mbs for k, v in stage.compute.items()}
+        for k, v in stage.exposed.items():
+            breakdown[k] = breakdown.get(k, 0.0) + v * mbs
+        hidden = {k: v * mbs for k, v in stage.hidden.items()}
+        breakdown["bubble"] = (p.pp - 1) * t_mb
+        shown, hid = self.grad_sync_s(stages[0].backward, len(self.stage_layers()[0]))
+        breakdown["grad_sync"] = shown
+        hidden["grad_sync"] = hid
+        breakdown["optimizer"] = self.optimizer_s()
+        step_s = sum(breakdown.values())
+        tokens = self.global_batch * self.config.train.seq_len
+        model_flops = flops_per_token(m, self.config.moe, self.config.train.seq_len) * tokens
+        return StepCost(
+            plan=p,
+            step_s=step_s,
+            tokens_per_sec=tokens / step_s,
+            mfu=model_flops / (step_s * p.devices * self.gpu.peak_flops),
+            micro_batches=mbs,
+            micro_batch_s=t_mb,
+            breakdown=breakdown,
+            hidden=hidden,
+        )
+
+
+def _is_moe_layer(m, index: int) -> bool:
+    """The model's rule: `first_k_dense` dense layers, then every `moe_every`-th is MoE."""
+    if index < m.first_k_dense:
+        return False
+    return (index - m.first_k_dense) % m.moe_every == m.moe_every - 1
+
+
+def sized_config(config: Config, plan: Plan, global_batch: int) -> Config:
+    """`config` with the plan's layout and a batch split into its micro-batches, the form
+    `comm_volume` and the memory model read (grad_accum = micro-batches per step)."""
+    parallel = dataclasses.replace(
+        config.parallel,
+        attention=plan.attention,
+        experts=plan.experts,
+        intra=plan.intra,
+        data=plan.data,
+        zero=plan.zero,
+        etp=plan.etp,
+    )
+    micro_batches = global_batch // (plan.data * plan.micro_batch)
+    train = dataclasses.replace(config.train, batch_size=global_batch, grad_accum=micro_batches)
+    return dataclasses.replace(config, parallel=parallel, train=train)
+
+
+def _activation_bytes(config: Config) -> comm_volume.LayerBytes:
+    """comm_volume's per-device bytes; `ep_a2a_ragged` sends only the rows each owner
+    needs, so without capacity padding it moves 1/n of `ep_a2a`'s static buffers."""
+    p = config.parallel
+    if p.experts != "ep_a2a_ragged":
+        return comm_volume.activation_bytes(config)
+    padded = comm_volume.activation_bytes(
+        dataclasses.replace(config, parallel=dataclasses.replace(p, experts="ep_a2a"))
+    )
+    experts = padded.experts / p.intra if config.moe.dropless else padded.experts
+    return comm_volume.LayerBytes(padded.attention, round(experts))
+
+
+def step_cost(
+    config: Config,
+    plan: Plan,
+    gpu: GPU,
+    global_batch: int | None = None,
+    eff: Efficiency | None = None,
+) -> StepCost:
+    """Predicted step of `plan` (global batch in sequences; default train.batch_size)."""
+    batch = global_batch or config.train.batch_size
+    return CostModel(config, plan, gpu, batch, eff or Efficiency()).step()

@@ -1,0 +1,433 @@
+"""Bytes one device holds while training under a plan: model state and stored activations.
+
+Why: a layout that is fast but does not fit is no plan. The planner ranks
+layouts by time only among those whose `Memory.total` fits the device.
+
+Model state is exact: the arrays of the `TrainState` (traced abstractly, so
+any model change is followed) placed as `train_state_shardings` places them.
+Activations are an analytic count of what the backward pass keeps (see
+`block_activation_bytes`), checked against XLA's buffer assignment in
+tests/test_plan_memory.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import numpy as np
+from flax import nnx
+
+from moe_jax.config import Config, ModelConfig, MoEConfig, TrainConfig
+from moe_jax.moe.experts import resolve_impl
+from moe_jax.parallel.layout import DATA, EXPERT, TENSOR, Layout
+from moe_jax.parallel.mesh import expert_split, param_rules
+from moe_jax.parallel.ragged_exchange import receive_bound
+from moe_jax.train_step import init_state
+
+FP32 = 4
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    """Bytes on one device (the worst pipeline stage).
+
+    params: parameters and router biases; grads: one gradient per parameter,
+    placed like it; optimizer: AdamW's two moments and counts, the step
+    counter and the RNG key; activations: what the forward keeps for the
+    backward, for every micro-batch in flight.
+    """
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations
+
+
+@dataclasses.dataclass(frozen=True)
+class StateArray:
+    """One array of the train state, before placement."""
+
+    path: str
+    shape: tuple[int, ...]
+    itemsize: int
+    names: tuple[str | None, ...]  # logical axes; () for plain arrays (replicated)
+    part: str  # 'params', 'biases', 'opt_state', 'step' or 'rng'
+    moment: bool  # an optimizer variable (ZeRO-1 splits it over 'data')
+    stack: str | None  # 'dense' or 'moe': stacked over that stack's units on axis 0
+
+
+@functools.cache
+def _state_arrays(model: ModelConfig, moe: MoEConfig, clipped: bool) -> tuple:
+    train = TrainConfig(grad_clip=1.0 if clipped else 0.0)  # all that shapes the state
+    _, state = jax.eval_shape(lambda: init_state(Config(model=model, moe=moe, train=train)))
+    arrays = []
+    leaves = jax.tree_util.tree_leaves_with_path(
+        state, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
+    for path, leaf in leaves:
+        keys = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", "")))) for k in path]
+        variable = isinstance(leaf, nnx.Variable)
+        value = leaf.get_value() if variable else leaf
+        names = tuple(leaf.get_metadata().get("out_sharding") or ()) if variable else ()
+        arrays.append(
+            StateArray(
+                path=jax.tree_util.keystr(path),
+                shape=tuple(value.shape),
+                itemsize=np.dtype(value.dtype).itemsize,
+                names=names,
+                part=keys[0],
+                moment=variable and keys[0] == "opt_state",
+                stack=next((k for k in keys if k in ("dense", "moe")), None),
+            )
+        )
+    return tuple(arrays)
+
+
+def state_arrays(config: Config) -> tuple[StateArray, ...]:
+    """Every array of the `TrainState` of `config` (shapes only; nothing is allocated)."""
+    return _state_arrays(config.model, config.moe, config.train.grad_clip > 0)
+
+
+def mesh_sizes(config: Config) -> dict[str, int]:
+    """Sizes of the mesh axes of a resolved plan."""
+    expert, tensor = expert_split(config)
+    return {DATA: config.parallel.data, EXPERT: expert, TENSOR: tensor}
+
+
+def placement(config: Config, array: StateArray, shape: tuple[int, ...] | None = None) -> list:
+    """Mesh axes of each dimension, the rule of `mesh.train_state_shardings`: logical axes
+    by the plan's rules; with ZeRO-1 a moment also goes over 'data' on its first
+    unsplit dimension divisible by the data size."""
+    shape = array.shape if shape is None else shape
+    spec = list(Layout(param_rules=param_rules(config)).param_spec(array.names))
+    spec += [None] * (len(shape) - len(spec))
+    data = config.parallel.data
+    if array.moment and config.parallel.zero and data > 1 and DATA not in spec:
+        free = [i for i, axis in enumerate(spec) if axis is None and shape[i] % data == 0]
+        if free:
+            spec[free[0]] = DATA
+    return spec
+
+
+def split_of(axes, sizes: dict[str, int]) -> int:
+    """Devices one dimension is split over (1 when unsplit)."""
+    if axes is None:
+        return 1
+    return math.prod(sizes[a] for a in ((axes,) if isinstance(axes, str) else axes))
+
+
+def device_bytes(config: Config, array: StateArray, units: int | None = None) -> int:
+    """Bytes of `array` on one device (the largest shard); `units` replaces the stacked
+    layer count (a pipeline stage holds only its layers)."""
+    shape = array.shape
+    if units is not None and array.stack is not None:
+        shape = (units, *shape[1:])
+    sizes = mesh_sizes(config)
+    spec = placement(config, array, shape)
+    return array.itemsize * math.prod(
+        -(-dim // split_of(axes, sizes)) for dim, axes in zip(shape, spec, strict=True)
+    )
+
+
+# ---------------------------------------------------------------- pipeline stages
+
+
+def units(config: Config) -> list[tuple[str, int]]:
+    """The repeated units in order: ('dense', 1) per dense-prefix layer, then
+    ('moe', moe_every) per MoE unit (moe_every - 1 dense blocks and one MoE block)."""
+    m = config.model
+    return [("dense", 1)] * m.first_k_dense + [("moe", m.moe_every)] * m.num_moe_layers
+
+
+def stage_units(config: Config, pp: int) -> list[list[tuple[str, int]]]:
+    """Units of each of `pp` pipeline stages: a unit belongs to the stage its first layer
+    falls in when the layers are cut into pp equal contiguous parts."""
+    stages: list[list[tuple[str, int]]] = [[] for _ in range(pp)]
+    layer = 0
+    for unit in units(config):
+        stages[layer * pp // config.model.num_layers].append(unit)
+        layer += unit[1]
+    return stages
+
+
+def _state_bytes(config: Config, stage: list, first: bool, last: bool) -> dict[str, int]:
+    """params / grads / optimizer bytes of one stage's share of the train state."""
+    counts = {kind: sum(1 for k, _ in stage if k == kind) for kind in ("dense", "moe")}
+    tied = config.model.tie_embeddings
+    out = {"params": 0, "grads": 0, "optimizer": 0}
+    for array in state_arrays(config):
+        if array.stack is not None:
+            if not counts[array.stack]:
+                continue
+            size = device_bytes(config, array, counts[array.stack])
+        else:
+            where = _unstacked_stage(array.path, tied)
+            if (where == "first" and not first) or (where == "last" and not last):
+                continue
+            if where == "both" and not (first or last):
+                continue
+            size = device_bytes(config, array)
+        if array.part in ("params", "biases"):
+            out["params"] += size
+            out["grads"] += size if array.part == "params" else 0
+        else:
+            out["optimizer"] += size
+    return out
+
+
+def _unstacked_stage(path: str, tied: bool) -> str:
+    """Which stage holds an unstacked array: the embedding the first, the head and final
+    norm the last, a tied table both; scalars (step, counts, rng) every stage."""
+    if "'table'" in path:
+        return "both" if tied else "first"
+    if "'head'" in path or "'final_norm'" in path:
+        return "last"
+    return "every"
+
+
+# ---------------------------------------------------------------- activations
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sizes:
+    """Per-device sizes of one micro-batch."""
+
+    b: int  # sequences per data-parallel group
+    s: int
+    h: int
+    n: int
+    B: int  # bytes of the compute dtype
+
+    @property
+    def t(self) -> int:
+        """Tokens per device between blocks (every layout splits a group's tokens n ways)."""
+        return self.b * self.s // self.n
+
+
+def _sizes(config: Config, micro_batch: int | None) -> _Sizes:
+    p, t = config.parallel, config.train
+    if p.data < 1 or p.experts == "auto":
+        raise ValueError("memory_per_device needs a resolved plan (see mesh.resolve)")
+    b = micro_batch if micro_batch is not None else t.batch_size // (p.data * t.grad_accum)
+    m = config.model
+    return _Sizes(b=b, s=t.seq_len, h=m.embed_dim, n=p.intra, B=DTYPE_BYTES[m.dtype])
+
+
+def _attention_terms(config: Config, z: _Sizes) -> dict[str, int]:
+    """Stored by one attention block (with its norm)."""
+    m, layout = config.model, config.parallel.attention
+    a, kv, hd, n = m.num_heads, m.num_kv_heads, m.head_dim, z.n
+    if layout in ("dp", "fsdp"):
+        seqs, heads, kv_heads, proj_tokens, out_width = z.b // n, a, kv, z.t, a
+    else:  # tp and sp attend over whole sequences for a/n heads
+        kv_heads = kv // n if kv % n == 0 else 1
+        seqs, heads = z.b, a // n
+        proj_tokens, out_width = (z.b * z.s, a // n) if layout == "tp" else (z.t, a)
+    if layout == "fsdp":  # gathered whole for the block's backward
+        cast = z.h * (2 * a + 2 * kv) * hd * z.B
+    elif layout == "tp":  # a/n query heads; the kv heads it uses (sliced when K < n)
+        cast = z.h * (2 * heads + 2 * kv_heads) * hd * z.B
+        cast = cast if z.B != FP32 else (2 * z.h * hd * FP32 if kv % n else 0)
+    else:  # the cast copies of whole weights (float32 reads the parameters themselves)
+        cast = z.h * (2 * a + 2 * kv) * hd * z.B if z.B != FP32 else 0
+    return {
+        "norm": z.t * (2 * z.h + 2) * FP32 + proj_tokens * z.h * z.B,
+        "qkv": seqs * z.s * (heads + 2 * kv_heads) * hd * z.B,
+        "scores": seqs * heads * z.s * (z.s * (FP32 + z.B) + 2 * FP32),
+        "attention_out": proj_tokens * out_width * hd * z.B,
+        "attention_weights": cast,
+    }
+
+
+def _mlp_terms(config: Config, z: _Sizes, width: int) -> dict[str, int]:
+    """Stored by a SwiGLU MLP of `width` hidden columns (dense layer or shared experts)."""
+    layout = config.parallel.attention
+    tokens = z.b * z.s if layout == "tp" else z.t
+    local = width // z.n if layout == "tp" else width
+    weights = 3 * z.h * width
+    if layout == "fsdp":
+        cast = weights * z.B
+    else:
+        cast = weights // (z.n if layout == "tp" else 1) * z.B if z.B != FP32 else 0
+    return {
+        "mlp_input": tokens * z.h * z.B,
+        "mlp_hidden": 6 * tokens * local * z.B,
+        "mlp_weights": cast,
+    }
+
+
+def _router_terms(tokens: int, z: _Sizes, e: int, k: int) -> dict[str, int]:
+    """Routing and combine of `tokens` tokens: scores [T, E] twice, softmax and top-k
+    bookkeeping, renormalised weights, combine indices, weights and gathered rows."""
+    return {
+        "moe_input": tokens * z.h * FP32,  # as the router reads it; dispatch needs indices
+        "router": tokens * (8 * e + 17 * k + 25),
+        "combine_rows": tokens * k * z.h * z.B,
+    }
+
+
+def _expert_terms(
+    config: Config, z: _Sizes, tokens: int, choices: int, moe: MoEConfig, f_local: int
+) -> dict[str, int]:
+    """Grouped SwiGLU over `tokens` x `choices` assignments on `moe.num_experts` local
+    experts of width `f_local`: the sorted rows (tile-padded for `tiled`), their hidden
+    activations and the weights as the matmuls read them."""
+    impl, e_local = resolve_impl(moe), moe.num_experts
+    weights = 3 * e_local * z.h * f_local * z.B
+    if impl == "tiled":  # copies of rows and weights made per matmul (`_varying_like`)
+        tile = moe.tile(tokens)
+        rows = -(-(tokens * choices + e_local * (tile - 1)) // tile) * tile
+        copies, indices = 2, rows + rows // tile + 1
+    else:  # ragged_dot / capacity / dense read the rows and (float32) weights as they are
+        rows = e_local * moe.capacity(tokens) if impl == "capacity" else tokens * choices
+        copies, indices = 1, rows
+        weights = weights if z.B != FP32 else 0
+    return {
+        "expert_rows": copies * rows * z.h * z.B + 4 * indices,
+        "expert_hidden": 6 * rows * f_local * z.B,
+        "expert_weights": weights,
+    }
+
+
+def block_activation_bytes(
+    config: Config, moe: bool, micro_batch: int | None = None
+) -> dict[str, int]:
+    """Bytes one block (attention + dense MLP, or attention + MoE) stores on one device
+    for the backward pass of one micro-batch, by tensor: what JAX saves as residuals
+    of the scanned layer (matched to jax.ad_checkpoint.print_saved_residuals within
+    0.1%) and XLA keeps (tests/test_plan_memory.py).
+
+    Symbols, per device: b sequences of length s per data group, t = b·s/n tokens
+    between blocks, h = embed_dim, B = bytes of model.dtype (norms, softmaxes and
+    the router stay float32: 4). Attention runs on `seqs` whole sequences with
+    `heads` query and `kv` key/value heads of width d: dp/fsdp b/n, a, K; tp/sp b,
+    a/n, K/n (or the one kv head it uses when K < n).
+
+      norms      t·(2h+2)·4 each (float32 input and normalised value, two statistics)
+                 + the projections' input t·h·B (tp: the gathered b·s·h·B)
+      q, k, v    seqs·s·(heads + 2·kv)·d·B after rotary (sp: after the exchange)
+      scores     seqs·heads·s·(s·(4+B) + 8): jax.nn.dot_product_attention's XLA path
+                 keeps the float32 softmax and the B-byte probabilities, [s, s] each
+      out        the out-projection's input t·a·d·B (tp: b·s·(a/n)·d·B)
+      weights    fsdp: the gathered weights; bf16: each layer's cast copy of its shard
+      MoE        T routed tokens (ep_a2a: t; all-gather forms: the group's n·t):
+                 router input T·h·4, routing T·(8E+17k+25), combine rows T·k·h·B;
+                 R expert rows of width h and 6 hidden [R, f_l] (gate, up, silu's
+                 parts, product) at B bytes, where R = T·k static rows (all-gather
+                 forms: every gathered assignment, not just the local ones; ep_a2a:
+                 the n·t·k received rows, n·slots; `tiled` pads each expert to a
+                 tile and keeps the rows twice, with a copy of the local weights
+                 3·E_l·h·f_l·B; ragged_dot copies them only when cast to bf16)
+      dense MLP  input t·h·B and 6 hidden t·w·B (tp: b·s·h·B and 6·b·s·(w/n)·B)
+
+    The paper counts (2n+2k+3kf+12+5/m)·b·s·h/n bytes per layer (bf16; f = h_ffn/h,
+    m = a/K; a coefficient of 2 is one bf16 tensor of t·h elements): 12 + 5/m for
+    norms and attention tensors, 2n for the gathered n·t tokens, 2k for the t·k
+    dispatched rows of balanced routing and 3kf for the expert hidden. Ours is what
+    this code keeps, larger in four ways: the [s, s] scores (the paper assumes
+    flash attention), static expert buffers n times the balanced t·k rows (both EP
+    forms, dropless), six hidden tensors where the paper has 1.5, and bf16 weight
+    copies saved per layer. Mixtral-8x7B's layer at s=4096, b=1, n=8, bf16,
+    sp+ep_a2a with ragged_dot: paper 108 MiB, ours 2.2 GiB (scores 0.4 GiB, expert
+    hidden 1.3 GiB, expert weight copy 0.3 GiB).
+    """
+    z = _sizes(config, micro_batch)
+    m, e, p = config.model, config.moe, config.parallel
+    terms = _attention_terms(config, z)
+    terms["ffn_norm"] = z.t * (2 * z.h + 2) * FP32
+    if not moe:
+        for key, value in _mlp_terms(config, z, m.mlp_dim).items():
+            terms[key] = value
+        return terms
+    expert, tensor = expert_split(config)
+    local = dataclasses.replace(e, num_experts=e.num_experts // expert)
+    if p.experts in ("ep_a2a", "ep_a2a_ragged"):
+        routed = z.t
+        slots = z.t * e.top_k if e.dropless else local.num_experts * e.capacity(z.t)
+        if p.experts == "ep_a2a_ragged":
+            slots = receive_bound(z.t, e, local.num_experts)
+        local = dataclasses.replace(local, capacity_factor=0.0)
+        tokens, choices = z.n * slots, 1  # the received rows, one expert each
+        terms["exchange"] = tokens * 12  # received expert ids, row indices, weights
+    else:
+        routed = z.n * z.t
+        tokens, choices = routed, e.top_k
+    terms.update(_router_terms(routed, z, e.num_experts, e.top_k))
+    terms.update(_expert_terms(config, z, tokens, choices, local, e.expert_mlp_dim // tensor))
+    if e.num_shared_experts:
+        width = e.num_shared_experts * e.shared_mlp_dim
+        shared = _mlp_terms(config, z, width)
+        terms.update({f"shared_{k}": v for k, v in shared.items()})
+    return terms
+
+
+def _head_bytes(config: Config, z: _Sizes) -> int:
+    """Final norm, head and cross-entropy of the last stage: the norm's float32 terms,
+    the head's input t·h·B and the float32 softmax of the logits t·V·4 (+ labels)."""
+    return z.t * (2 * z.h + 2) * FP32 + z.t * z.h * z.B + z.t * (config.model.vocab_size + 3) * 4
+
+
+def unit_activation_bytes(config: Config, unit: tuple[str, int], micro_batch=None) -> int:
+    """Stored activations of one scanned unit: its dense blocks and, for an MoE unit,
+    its MoE block."""
+    kind, layers = unit
+    dense = sum(block_activation_bytes(config, False, micro_batch).values())
+    if kind == "dense":
+        return dense * layers
+    return dense * (layers - 1) + sum(block_activation_bytes(config, True, micro_batch).values())
+
+
+def stage_activation_bytes(
+    config: Config, stage: list, last: bool, micro_batch: int | None = None
+) -> tuple[int, int]:
+    """(kept, working): activations one micro-batch keeps on a stage until its backward,
+    and the working set of the backward itself, needed once however many micro-batches
+    are in flight. With model.remat='full' each unit runs under jax.checkpoint: only
+    its input x [t, h] is kept, and the backward recomputes one unit at a time,
+    holding that unit's activations."""
+    z = _sizes(config, micro_batch)
+    per_unit = [unit_activation_bytes(config, unit, micro_batch) for unit in stage]
+    head = _head_bytes(config, z) if last else 0
+    if config.model.remat == "full":
+        return len(stage) * z.t * z.h * z.B + head, max(per_unit, default=0)
+    return sum(per_unit) + head, 0
+
+
+def micro_batches(config: Config, micro_batch: int | None = None) -> int:
+    """Micro-batches per step: batch_size / (data x micro_batch); grad_accum by default."""
+    p, t = config.parallel, config.train
+    if micro_batch is None:
+        return t.grad_accum
+    return max(1, t.batch_size // (p.data * micro_batch))
+
+
+def memory_per_device(config: Config, pp: int = 1, micro_batch: int | None = None) -> Memory:
+    """Memory of the worst device of a resolved plan (parallel.data >= 1, experts chosen).
+
+    `pp` pipeline stages cut the layers into contiguous parts (embedding on the
+    first stage, final norm and head on the last); with 1F1B, stage i keeps
+    min(pp - i, micro-batches) micro-batches of activations in flight.
+    `micro_batch` is the sequences of one micro-batch per data-parallel group
+    (default batch_size / (data x grad_accum)).
+    """
+    _sizes(config, micro_batch)  # validates the plan
+    if pp < 1 or pp > config.model.num_layers:
+        raise ValueError(f"pp={pp} must be in [1, model.num_layers={config.model.num_layers}]")
+    in_flight = micro_batches(config, micro_batch)
+    worst = None
+    for i, stage in enumerate(stage_units(config, pp)):
+        first, last = i == 0, i == pp - 1
+        state = _state_bytes(config, stage, first, last)
+        kept, working = stage_activation_bytes(config, stage, last, micro_batch)
+        memory = Memory(**state, activations=kept * min(pp - i, in_flight) + working)
+        if worst is None or memory.total > worst.total:
+            worst = memory
+    return worst

@@ -1,0 +1,163 @@
+"""Parameter and gradient traffic of a plan, in bytes one device sends per step.
+
+Why: under sp the attention weights are replicated over the intra group, so
+their gradients cost what tp saves in activations; the planner weighs both.
+
+Convention (as `moe_jax.tools.comm_report`): a device's buffer of S bytes over
+g devices sends S·(g-1)/g for an all-gather, reduce-scatter or all-to-all and
+2·S·(g-1)/g for an all-reduce.
+
+`gradient_bytes_per_step` follows what XLA compiles today, per parameter and
+per micro-batch (the reductions sit inside the backward of each one):
+
+  * blocks inside `shard_map` (sp and tp attention, the router, experts, tp and
+    fsdp MLPs): one all-reduce of the device's shard over every mesh axis the
+    weight is replicated on (the router and sp attention: all d·n devices;
+    experts and tp-split weights: 'data');
+  * weights GSPMD differentiates (embedding, head, norms, dp attention, dp/sp
+    dense MLPs): one all-reduce over all devices when the batch is split over
+    all of them (dp, fsdp), else one over the intra group and one over 'data';
+  * fsdp weights: all-gather forward and reduce-scatter of the gathered weight
+    over 'data', plus an all-reduce of the whole gathered gradient over intra;
+  * tp kv weights kept whole (kv heads < n): an all-reduce over intra of the
+    whole weight, and over 'data' of the one kv head a device uses (XLA moves that
+    all-reduce before the scatter into the whole weight);
+  * ZeRO-1: the moments split over 'data' leave the updated parameters to be
+    all-gathered over 'data' once per step. (XLA today also shards the embedding
+    table's gradient scatter when the table's moments are split, trading the
+    table's all-reduce for gathers of the tokens' cotangents; not modelled.)
+
+`hierarchical_sync_bytes` is the paper's appendix instead: gradients accumulated
+over the step and synchronised once, intra-node reduce-scatter, inter-node
+reduce-scatter and all-gather, intra-node all-gather.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from moe_jax.config import Config
+from moe_jax.parallel.layout import DATA, EXPERT, TENSOR
+from moe_jax.plan.memory import StateArray, device_bytes, mesh_sizes, placement, state_arrays
+
+
+def _all_reduce(size: float, group: int) -> float:
+    return 2 * size * (group - 1) / group
+
+
+def _gather(size: float, group: int) -> float:
+    return size * (group - 1) / group
+
+
+def _block(config: Config, array: StateArray) -> str:
+    """Which code differentiates the weight: 'experts', 'router', 'attention', 'mlp'
+    (dense or shared-expert MLPs) or 'outer' (embedding, head, norms)."""
+    names = set(array.names) - {"layers"}
+    if "experts" in names:
+        return "experts"
+    if names & {"heads", "kv_heads"}:
+        return "attention"
+    if "mlp" in names:
+        return "mlp"
+    if None in array.names:
+        return "router"
+    return "outer"
+
+
+def _splits(config: Config, array: StateArray) -> set[str]:
+    """Mesh axes the parameter is split over."""
+    axes = set()
+    for entry in placement(config, array):
+        axes |= set((entry,) if isinstance(entry, str) else entry or ())
+    return axes
+
+
+def _by_gspmd(config: Config, block: str) -> bool:
+    """Whether GSPMD, not a `shard_map` layout, differentiates the block's weights."""
+    attention = config.parallel.attention
+    return (
+        block == "outer"
+        or (block == "attention" and attention == "dp")
+        or (block == "mlp" and attention in ("dp", "sp"))
+    )
+
+
+def _outer(config: Config, size: float) -> float:
+    """GSPMD reduces over the batch axes and then the sequence axes of the layout."""
+    p = config.parallel
+    if p.attention in ("dp", "fsdp"):
+        return _all_reduce(size, p.data * p.intra)
+    return _all_reduce(size, p.intra) + _all_reduce(size, p.data)
+
+
+def parameter_bytes(config: Config, array: StateArray) -> float:
+    """Bytes one device sends per micro-batch for one parameter's gradient (and, under
+    fsdp, its gathered weight)."""
+    p, m = config.parallel, config.model
+    d, n = p.data, p.intra
+    size = device_bytes(config, array)
+    block, splits = _block(config, array), _splits(config, array)
+    if block in ("attention", "mlp") and p.attention == "fsdp":
+        whole = size * d if DATA in splits else size
+        return 2 * _gather(whole, d) + _all_reduce(whole, n)
+    if _by_gspmd(config, block):
+        return _outer(config, size)
+    if block == "attention" and p.attention == "tp" and not splits & {EXPERT, TENSOR}:
+        kv_head = size / m.num_kv_heads  # only kv weights stay whole under tp
+        return _all_reduce(size, n) + _all_reduce(kv_head, d)
+    sizes = mesh_sizes(config)
+    return _all_reduce(size, math.prod(sizes[a] for a in sizes if a not in splits))
+
+
+def _zero_gather(config: Config, array: StateArray) -> float:
+    """All-gather of an updated parameter whose moments ZeRO-1 split over 'data'."""
+    p = config.parallel
+    if not p.zero or p.data == 1 or DATA in _splits(config, array):
+        return 0.0
+    moment = dataclasses.replace(array, moment=True)
+    if DATA not in _splits(config, moment):
+        return 0.0
+    return _gather(device_bytes(config, array), p.data)
+
+
+def _params(config: Config) -> list[StateArray]:
+    if config.parallel.data < 1 or config.parallel.experts == "auto":
+        raise ValueError("param_traffic needs a resolved plan (see mesh.resolve)")
+    return [a for a in state_arrays(config) if a.part == "params"]
+
+
+def gradient_bytes_per_step(config: Config) -> int:
+    """Parameter and gradient bytes one device sends per step, as XLA compiles it today
+    (what `comm_report` reports as param_grad, small loss reductions aside)."""
+    params = _params(config)
+    per_micro_batch = sum(parameter_bytes(config, a) for a in params)
+    zero = sum(_zero_gather(config, a) for a in params)
+    return round(per_micro_batch * config.train.grad_accum + zero)
+
+
+def hierarchical_sync_bytes(config: Config) -> dict[str, int]:
+    """The paper's hierarchical data-parallel sync, bytes one device sends per step.
+
+    P: bytes of a device's parameters replicated over its node (n devices) and
+    d data groups. Intra-node reduce-scatter, inter-node reduce-scatter and
+    all-gather of the 1/n shard, intra-node all-gather: intra 2P(n-1)/n, inter
+    2(P/n)(d-1)/d. Parameters split over the node (experts, tp shards) are
+    all-reduced across data groups only: inter 2S(d-1)/d. fsdp weights (split over
+    'data') end reduce-scattered: the final all-gather only rebuilds the node's
+    1/d share.
+    """
+    d, n = config.parallel.data, config.parallel.intra
+    intra = inter = 0.0
+    for array in _params(config):
+        size, splits = device_bytes(config, array), _splits(config, array)
+        if splits & {EXPERT, TENSOR}:
+            inter += _all_reduce(size, d)
+        elif DATA in splits:
+            whole = size * d
+            intra += _gather(whole, n) + _gather(size, n)
+            inter += _gather(whole / n, d)
+        else:
+            intra += _all_reduce(size, n)
+            inter += _all_reduce(size / n, d)
+    return {"intra": round(intra), "inter": round(inter)}

@@ -1,0 +1,422 @@
+"""The planner: every layout that can run, dropped when it does not fit, ranked by the
+cost model's step time, and the winner explained.
+
+Why: which layout is fastest depends on the model's shape (expert width, top-k,
+heads), the batch and the cluster (NVLink against network, memory); the cost
+model says so term by term, so the choice can be read and argued with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterator
+
+from moe_jax.config import Config
+from moe_jax.plan import cost_model
+from moe_jax.plan.cost_model import (
+    ATTENTION_LAYOUTS,
+    EXPERT_LAYOUTS,
+    Efficiency,
+    Plan,
+    StepCost,
+)
+from moe_jax.plan.hardware import GPU, get
+
+# Share of a GPU's memory a plan may fill: the CUDA context, NCCL buffers and
+# allocator fragmentation take the rest (several GB on an 80 GB part).
+USABLE_MEMORY = 0.9
+INTRA_SIZES = (1, 2, 4, 8)
+MAX_MICRO_BATCH = 16  # sequences; larger ones only grow the pipeline bubble
+TRAINER_EXPERTS = ("ep_a2a", "ep_a2a_ragged", "ep_ag", "etp", "ep_etp")
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """A plan with its predicted step and its memory per device (None: not checked)."""
+
+    cost: StepCost
+    memory: object | None  # moe_jax.plan.memory.Memory: params, grads, optimizer, activations
+
+    @property
+    def plan(self) -> Plan:
+        return self.cost.plan
+
+
+@dataclasses.dataclass(frozen=True)
+class Ranking:
+    """Plans that fit, fastest first. Memory is checked in rank order, so
+    `dropped_for_memory` counts the plans faster than the last one listed that did
+    not fit; `plans` counts every plan the divisibility rules allow."""
+
+    candidates: list[Candidate]
+    dropped_for_memory: int
+    plans: int
+    smallest_dropped: float  # bytes per device of the leanest dropped plan (inf: none)
+    gpu: GPU
+    gpus: int
+    global_batch: int
+
+    @property
+    def best(self) -> Candidate:
+        if not self.plans:
+            raise ValueError(
+                f"no layout splits {self.gpus} GPUs and a batch of {self.global_batch} "
+                "sequences (intra group, pipeline stages, heads, experts and batch must divide)"
+            )
+        if not self.candidates:
+            need = f"; the leanest needs {self.smallest_dropped / 1e9:.0f} GB per device"
+            raise ValueError(
+                f"no plan fits {self.gpus} x {self.gpu.name} ({self.plans} plans, "
+                f"{self.dropped_for_memory} dropped for memory"
+                + (need if self.dropped_for_memory else "")
+                + f", {self.gpu.memory_bytes * USABLE_MEMORY / 1e9:.0f} GB usable)"
+            )
+        return self.candidates[0]
+
+
+def _divisors(value: int) -> list[int]:
+    return [d for d in range(1, value + 1) if value % d == 0]
+
+
+def problem(config: Config, plan: Plan, global_batch: int, gpu: GPU) -> str | None:
+    """Why `plan` cannot run (the trainer's divisibility rules), or None."""
+    m, e, seq = config.model, config.moe, config.train.seq_len
+    n, d = plan.intra, plan.data
+    if n > gpu.gpus_per_node:
+        return f"intra group of {n} spans nodes"
+    if plan.pp > m.num_layers:
+        return f"{plan.pp} stages for {m.num_layers} layers"
+    if global_batch % (d * plan.micro_batch):
+        return f"batch {global_batch} does not split into {d} x {plan.micro_batch}"
+    if plan.attention in ("dp", "fsdp") and plan.micro_batch % n:
+        return f"micro-batch {plan.micro_batch} does not split over {n} devices"
+    ep, tp = {"etp": (1, n), "ep_etp": (n // plan.etp, plan.etp)}.get(plan.experts, (n, 1))
+    if plan.experts == "ep_etp" and not (1 < plan.etp < n and n % plan.etp == 0):
+        return f"etp={plan.etp} must divide n={n} strictly"
+    if e.num_experts % ep or e.expert_mlp_dim % tp:
+        return f"experts {e.num_experts} x width {e.expert_mlp_dim} do not split {ep} x {tp}"
+    widths = _dense_widths(config)
+    if plan.attention in ("tp", "sp"):
+        kv = m.num_kv_heads
+        if m.num_heads % n or seq % n or (kv % n and n % kv):
+            return f"heads {m.num_heads}/{kv} or sequence {seq} do not split over {n}"
+        if plan.attention == "tp" and any(w % n for w in widths):
+            return f"dense widths {widths} do not split over {n}"
+    if plan.attention == "fsdp" and (
+        m.num_heads % d or m.num_kv_heads % d or any(w % d for w in widths)
+    ):
+        return f"heads or dense widths do not split over data={d}"
+    return None
+
+
+def _dense_widths(config: Config) -> list[int]:
+    m, e = config.model, config.moe
+    widths = []
+    if m.first_k_dense or m.moe_every > 1 or not m.num_moe_layers:
+        widths.append(m.mlp_dim)
+    if e.num_shared_experts:
+        widths.append(e.num_shared_experts * e.shared_mlp_dim)
+    return widths
+
+
+def plans(
+    config: Config,
+    gpus: int,
+    gpu: GPU,
+    global_batch: int,
+    pp: int | None = None,
+    overlap: str = "megascale",
+    attention: tuple[str, ...] = ATTENTION_LAYOUTS,
+    experts: tuple[str, ...] = EXPERT_LAYOUTS,
+    intra: tuple[int, ...] = INTRA_SIZES,
+    micro_batches: int | None = None,
+    micro_batch: int | None = None,
+    grad_sync: str = "hierarchical",
+    remat: str = "",
+    grad_dtype: str = "float32",
+) -> Iterator[Plan]:
+    """Every plan the trainer's rules allow (memory not yet checked). ZeRO-1 is
+    used whenever there is data parallelism: it moves the same bytes as an all-reduce
+    and shrinks the optimizer state. Searched pipelines cut the layers evenly (as
+    Megatron-LM requires); `micro_batches` fixes the micro-batches per step,
+    `micro_batch` the sequences in each; `grad_sync` picks the gradient sync model,
+    `remat` the recompute ("" = the config's; the memory check reads the config's) and
+    `grad_dtype` the precision of the gradient exchange."""
+    layers = config.model.num_layers
+    stages = [pp] if pp else [s for s in _divisors(gpus) if layers % s == 0]
+    for p in stages:
+        for n in intra:
+            if gpus % (n * p):
+                continue
+            data = gpus // (n * p)
+            per_group = global_batch // data if global_batch % data == 0 else 0
+            sizes = [b for b in _divisors(per_group) if b <= MAX_MICRO_BATCH] if per_group else []
+            if micro_batches:
+                sizes = [per_group // micro_batches] if per_group % micro_batches == 0 else []
+            if micro_batch:
+                sizes = [b for b in sizes if b == micro_batch]
+            kinds = _layouts(n, data, attention, experts)
+            for (att, exp, etp), b in ((k, b) for k in kinds for b in sizes if b > 0):
+                plan = Plan(
+                    att,
+                    exp,
+                    n,
+                    data,
+                    p,
+                    b,
+                    int(data > 1),
+                    etp,
+                    overlap,
+                    grad_sync,
+                    remat,
+                    grad_dtype,
+                )
+                if problem(config, plan, global_batch, gpu) is None:
+                    yield plan
+
+
+def _layouts(n: int, data: int, attention: tuple[str, ...], experts: tuple[str, ...]):
+    """(attention, experts, etp) triples, without duplicates: with n = 1 every layout is
+    plain data parallelism, and fsdp over one data group is dp."""
+    if data == 1 and "dp" in attention:
+        attention = tuple(a for a in attention if a != "fsdp")
+    if n == 1:
+        return [(a, experts[0], 2) for a in attention if a in ("dp", "fsdp")]
+    out = []
+    for a in attention:
+        for x in experts:
+            etps = [s for s in (2, 4) if s < n and n % s == 0] if x == "ep_etp" else [2]
+            out += [(a, x, s) for s in etps]
+    return out
+
+
+def fits(memory, gpu: GPU) -> bool:
+    return memory.total <= gpu.memory_bytes * USABLE_MEMORY
+
+
+def rank(
+    config: Config,
+    gpus: int,
+    gpu: GPU | str,
+    global_batch: int | None = None,
+    pp: int | None = None,
+    overlap: str = "megascale",
+    eff: Efficiency | None = None,
+    limit: int | None = None,
+    check_memory: bool = True,
+    accept: Callable[[Plan], bool] | None = None,
+    **restrict,
+) -> Ranking:
+    """Plans fastest first, each checked for memory in that order until `limit` fit
+    (None: all); restrict the search with attention=, experts=, intra=, micro_batches=,
+    or with `accept`, asked of each plan in rank order before its memory."""
+    gpu = get(gpu) if isinstance(gpu, str) else gpu
+    batch = global_batch or config.train.batch_size
+    eff = eff or Efficiency()
+    costs = [
+        cost_model.step_cost(config, plan, gpu, batch, eff)
+        for plan in plans(config, gpus, gpu, batch, pp, overlap, **restrict)
+    ]
+    costs.sort(key=lambda c: (round(c.step_s, 9), c.plan.label, c.plan.etp))
+    kept, dropped, smallest = [], 0, math.inf
+    too_big: dict[Plan, int] = {}  # plan with micro_batch=0 -> smallest that did not fit
+    for cost in costs:
+        if limit is not None and len(kept) >= limit:
+            break
+        plan = cost.plan
+        if accept is not None and not accept(plan):
+            continue
+        key = dataclasses.replace(plan, micro_batch=0)
+        if check_memory and plan.micro_batch >= too_big.get(key, math.inf):
+            dropped += 1  # memory only grows with the micro-batch
+            continue
+        memory = _memory(config, plan, batch) if check_memory else None
+        if memory is not None and not fits(memory, gpu):
+            dropped += 1
+            smallest = min(smallest, memory.total)
+            too_big[key] = min(plan.micro_batch, too_big.get(key, math.inf))
+            continue
+        kept.append(Candidate(cost, memory))
+    return Ranking(kept, dropped, len(costs), smallest, gpu, gpus, batch)
+
+
+def _memory(config: Config, plan: Plan, batch: int):
+    from moe_jax.plan.memory import memory_per_device
+
+    sized = cost_model.sized_config(config, plan, batch)
+    return memory_per_device(sized, pp=plan.pp, micro_batch=plan.micro_batch)
+
+
+def megatron_baseline(
+    config: Config,
+    gpus: int,
+    gpu: GPU | str,
+    global_batch: int | None = None,
+    pp: int | None = None,
+    eff: Efficiency | None = None,
+    check_memory: bool = True,
+    micro_batch: int | None = None,
+) -> Ranking:
+    """Megatron-LM as the paper ran it: tensor parallelism over the node (n = 8) for
+    attention (with sequence-parallel norms) and experts, no token-exchange overlap."""
+    gpu = get(gpu) if isinstance(gpu, str) else gpu
+    n = gpu.gpus_per_node
+    return rank(
+        config,
+        gpus,
+        gpu,
+        global_batch,
+        pp,
+        "none",
+        eff,
+        limit=1,
+        check_memory=check_memory,
+        attention=("tp",),
+        experts=("etp",),
+        intra=(n,),
+        micro_batch=micro_batch,
+    )
+
+
+def choose_plan(config: Config, num_devices: int, gpu: GPU | str = "h800") -> dict:
+    """The fastest plan the trainer can run on `num_devices` (no pipeline), as the
+    `config.parallel` settings to apply. The batch and `train.grad_accum` stay as
+    configured, gradients sync as the trainer compiles them (inside every
+    micro-batch's backward), and layouts the compiled mesh rejects
+    (`mesh.check_plan`) are skipped."""
+    from moe_jax.parallel import mesh as mesh_lib  # imports jax: only the trainer's path
+
+    def settings(plan: Plan) -> dict:
+        return {
+            "attention": plan.attention,
+            "experts": plan.experts,
+            "intra": plan.intra,
+            "data": plan.data,
+            "zero": plan.zero,
+            "etp": plan.etp,
+        }
+
+    def runs(plan: Plan) -> bool:
+        parallel = dataclasses.replace(config.parallel, **settings(plan))
+        try:
+            mesh_lib.check_plan(dataclasses.replace(config, parallel=parallel), num_devices)
+        except ValueError:
+            return False
+        return True
+
+    ranking = rank(
+        config,
+        num_devices,
+        gpu,
+        pp=1,
+        limit=1,
+        accept=runs,
+        experts=TRAINER_EXPERTS,
+        micro_batches=config.train.grad_accum,
+        grad_sync="per_micro_batch",
+    )
+    return settings(ranking.best.plan)
+
+
+def compute_comm_ratio(config: Config, gpu: GPU | str, n: int | None = None) -> float:
+    """The paper's R = 3/2 * h_ffn * bandwidth / peak * n / (n - 1): expert GEMM time over
+    the time to exchange its tokens (NVLink bandwidth as datasheets quote it, as the
+    paper does). R > 1: the exchange can hide behind the expert GEMMs."""
+    gpu = get(gpu) if isinstance(gpu, str) else gpu
+    n = n or gpu.gpus_per_node
+    h_ffn = config.moe.expert_mlp_dim
+    return 1.5 * h_ffn * gpu.nvlink_bandwidth / gpu.peak_flops * n / (n - 1)
+
+
+def verdict(ratio: float) -> str:
+    if ratio > 1:
+        return "R > 1: token exchange can hide behind the expert GEMMs"
+    return "R < 1: the expert GEMMs are too short to hide the token exchange"
+
+
+COMPUTE = (
+    "expert_gemm",
+    "dense_gemm",
+    "attention_core",
+    "routing_permute",
+    "elementwise",
+    "grad_accumulation",
+    "optimizer",
+)
+EXCHANGES = ("attention_exchange", "expert_exchange", "weight_gather", "pipeline_p2p", "grad_sync")
+
+
+def explain(candidate: Candidate, gpu: GPU, runner_up: Candidate | None = None) -> list[str]:
+    """Where the winner's step goes, and what it gains over the best other layout."""
+    cost, mem = candidate.cost, candidate.memory
+    b, step = cost.breakdown, cost.step_s
+    share = lambda key: f"{b.get(key, 0.0):.4g} s ({b.get(key, 0.0) / step:.0%})"
+    compute = sum(b.get(k, 0.0) for k in COMPUTE)
+    comm = sum(b.get(k, 0.0) for k in EXCHANGES)
+    lines = [
+        f"why {cost.plan.label} (n={cost.plan.intra}, pp={cost.plan.pp}, "
+        f"data={cost.plan.data}, micro-batch={cost.plan.micro_batch}): step {step:.4g} s",
+        f"  compute {compute:.4g} s: " + ", ".join(f"{k} {share(k)}" for k in COMPUTE if b.get(k)),
+        f"  exposed communication {comm:.4g} s: "
+        + (", ".join(f"{k} {share(k)}" for k in EXCHANGES if b.get(k)) or "none"),
+        "  hidden behind compute: "
+        + (", ".join(f"{k} {v:.4g} s" for k, v in cost.hidden.items() if v > 0) or "nothing"),
+        f"  pipeline bubble {share('bubble')} ({cost.bubble:.1%} of each stage's time, "
+        f"{cost.plan.pp} stages, {cost.micro_batches} micro-batches)",
+    ]
+    if mem is not None:
+        lines.append(
+            f"  memory per device {mem.total / 1e9:.1f} of {gpu.memory_bytes / 1e9:.0f} GB "
+            f"(params {mem.params / 1e9:.1f}, grads {mem.grads / 1e9:.1f}, optimizer "
+            f"{mem.optimizer / 1e9:.1f}, activations {mem.activations / 1e9:.1f})"
+        )
+    if runner_up is not None:
+        other = runner_up.cost
+        deltas = {
+            k: other.breakdown.get(k, 0.0) - b.get(k, 0.0) for k in set(b) | set(other.breakdown)
+        }
+        big = [kv for kv in sorted(deltas.items(), key=lambda kv: -abs(kv[1])) if kv[1]]
+        big = [kv for kv in big if abs(kv[1]) > 1e-3 * step]
+        lines.append(
+            f"  vs the best other layout, {other.plan.label} (n={other.plan.intra}, "
+            f"{other.step_s:.4g} s, {other.step_s / step:.2f}x): "
+            + (", ".join(f"{k} {v:+.3g} s" for k, v in big[:3]) or "no term differs")
+        )
+    return lines
+
+
+def runner_up(ranking: Ranking) -> Candidate | None:
+    """The fastest plan whose layout pair differs from the winner's and which is slower
+    (layouts that tie, moving the same bytes, explain nothing)."""
+    best = ranking.best
+    pair = (best.plan.attention, best.plan.experts)
+    for c in ranking.candidates[1:]:
+        slower = c.cost.step_s > best.cost.step_s * (1 + 1e-9)
+        if slower and (c.plan.attention, c.plan.experts) != pair:
+            return c
+    return None
+
+
+def summary(candidate: Candidate) -> dict:
+    """The JSON form of one plan's prediction."""
+    c = candidate.cost
+    p = c.plan
+    return {
+        "attention": p.attention,
+        "experts": p.experts,
+        "n": p.intra,
+        "pp": p.pp,
+        "data": p.data,
+        "micro_batch": p.micro_batch,
+        "zero": p.zero,
+        "overlap": p.overlap,
+        "tokens_per_sec": c.tokens_per_sec,
+        "mfu": c.mfu,
+        "step_s": c.step_s,
+        "micro_batches": c.micro_batches,
+        "bubble": c.bubble,
+        "breakdown_s": c.breakdown,
+        "hidden_s": c.hidden,
+        "memory_bytes": None if candidate.memory is None else candidate.memory.total,
+    }

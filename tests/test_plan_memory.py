@@ -1,0 +1,246 @@
+"""The planner's memory and parameter-traffic models against what JAX and XLA really do
+(8 forced CPU devices, see conftest.py).
+
+* Model state: predicted params, grads and optimizer bytes per device equal the
+  shards `jax.device_put` makes with `train_state_shardings`, for every layout
+  pair and with ZeRO-1.
+* Activations, measured by difference: the same plan compiled (forward +
+  backward of the loss, as the train step runs it) with 4 and with 2 layers.
+  Layers are scanned, so everything outside the stack (embedding, head, loss,
+  the backward's working buffers, loop-invariant masks) is the same in both
+  programs and the temp bytes of XLA's buffer assignment differ by exactly two
+  layers' stored activations. The config is float32 (XLA:CPU computes bf16 in
+  f32, so it cannot check bf16 sizes) with seq 256 and experts 64 wide, so that
+  the MoE block stores about as much as attention's score matrices.
+* Gradient bytes against `comm_report`'s measured param_grad collectives: four
+  plans covering every attention and every expert layout, three on (data=2,
+  n=4) and one on (1, 8). All 16 pairs take ~150 s of compiles on 2 cores, too
+  slow here; run once while writing this, each was within 0.1%.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from moe_jax.config import Config, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
+from moe_jax.model.transformer import Transformer
+from moe_jax.moe.block import RouterBias
+from moe_jax.parallel import mesh as mesh_lib
+from moe_jax.plan import memory, param_traffic
+from moe_jax.tools import comm_report
+from moe_jax.train_step import init_state, loss_fn
+
+FAST = {"xla_backend_optimization_level": 0}
+ATTENTION = ("dp", "fsdp", "tp", "sp")
+EXPERTS = ("ep_ag", "ep_a2a", "etp", "ep_etp")
+
+# A dense first layer and a shared expert, so every kind of weight is placed.
+STATE = Config(
+    model=ModelConfig(
+        num_layers=3,
+        first_k_dense=1,
+        embed_dim=32,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=8,
+        mlp_dim=32,
+    ),
+    moe=MoEConfig(
+        num_experts=8, top_k=2, expert_mlp_dim=16, num_shared_experts=1, shared_mlp_dim=16
+    ),
+    train=TrainConfig(batch_size=8, seq_len=16),
+)
+
+
+def _plan(base: Config, attention: str, experts: str, data=2, intra=4, zero=0, **model) -> Config:
+    parallel = ParallelConfig(
+        attention=attention, experts=experts, data=data, intra=intra, zero=zero
+    )
+    config = dataclasses.replace(
+        base, model=dataclasses.replace(base.model, **model), parallel=parallel
+    )
+    mesh_lib.check_plan(config, jax.device_count())
+    return mesh_lib.resolve(config, jax.device_count())
+
+
+@functools.cache
+def _state():
+    """The TrainState's arrays (zeros: only their shapes and placement matter here)."""
+    _, state = jax.eval_shape(lambda: init_state(STATE))
+    return jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), state)
+
+
+def _placed_bytes(config: Config) -> dict[str, int]:
+    """Bytes each device holds of each part of the placed TrainState (all equal)."""
+    layout = mesh_lib.make_layout(config, mesh_lib.make_mesh(config))
+    state = _state()
+    placed = jax.device_put(
+        state, mesh_lib.train_state_shardings(state, layout, config.parallel.zero)
+    )
+    parts = {
+        "params": (placed.params, placed.biases),
+        "optimizer": (placed.opt_state, placed.step, placed.rng),
+    }
+    result = {}
+    for part, tree in parts.items():
+        per_device: dict = {}
+        for leaf in jax.tree.leaves(tree):
+            for shard in leaf.addressable_shards:
+                per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+        assert len(set(per_device.values())) == 1, (part, per_device)
+        result[part] = next(iter(per_device.values()))
+    grads = jax.device_put(state.params, mesh_lib.state_shardings(state.params, layout))
+    result["grads"] = sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(grads))
+    return result
+
+
+STATE_PLANS = [(a, e, 2, 4, 0) for a in ATTENTION for e in EXPERTS] + [
+    ("sp", "ep_a2a", 2, 4, 1),
+    ("tp", "etp", 2, 4, 1),
+    ("fsdp", "ep_etp", 2, 4, 1),
+    ("dp", "ep_ag", 8, 1, 1),
+    ("tp", "ep_a2a", 1, 8, 0),
+]
+
+
+@pytest.mark.parametrize("plan", STATE_PLANS, ids=lambda p: "-".join(map(str, p)))
+def test_state_bytes_equal_the_placed_shards(plan):
+    attention, experts, data, intra, zero = plan
+    config = _plan(STATE, attention, experts, data, intra, zero)
+    predicted = memory.memory_per_device(config)
+    placed = _placed_bytes(config)
+    assert predicted.params == placed["params"]
+    assert predicted.grads == placed["grads"]
+    assert predicted.optimizer == placed["optimizer"]
+
+
+def test_pipeline_stage_holds_its_layers_and_the_worst_ends():
+    """4 layers over 2 stages: the first holds the embedding and two layers, the last the
+    head, final norm and two layers (the worst: the head is as big as the table)."""
+    config = _plan(STATE, "sp", "ep_a2a", num_layers=4, first_k_dense=0, tie_embeddings=False)
+    arrays = {a.path: memory.device_bytes(config, a) for a in memory.state_arrays(config)}
+    table, head = arrays[".params['embed']['table']"], arrays[".params['head']"]
+    final = arrays[".params['final_norm']['scale']"]
+    whole = memory.memory_per_device(config).params
+    layers = whole - table - head - final
+    assert memory.memory_per_device(config, pp=2).params == head + final + layers // 2
+
+
+# ---------------------------------------------------------------- activations
+
+ACTIVATIONS = Config(
+    model=ModelConfig(
+        num_layers=2, embed_dim=64, num_heads=8, num_kv_heads=2, head_dim=8, vocab_size=64
+    ),
+    moe=MoEConfig(num_experts=8, top_k=2, expert_mlp_dim=64),
+    train=TrainConfig(batch_size=8, seq_len=256),
+)
+
+
+def _temp_bytes(config: Config) -> int:
+    """XLA's temp buffer bytes for forward + backward of the loss on one device's shard."""
+    layout = mesh_lib.make_layout(config, mesh_lib.make_mesh(config))
+    model = jax.eval_shape(
+        lambda: Transformer(config.model, config.moe, rngs=nnx.Rngs(0), layout=layout)
+    )
+    graphdef, params, biases = nnx.split(model, nnx.Param, RouterBias)
+
+    def abstract(tree):
+        shardings = mesh_lib.state_shardings(tree, layout)
+        return jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
+        )
+
+    tokens = jax.ShapeDtypeStruct(
+        (config.train.batch_size, config.train.seq_len),
+        jnp.int32,
+        sharding=mesh_lib.batch_sharding(layout),
+    )
+    loss = functools.partial(loss_fn, graphdef=graphdef, config=config)
+    grad_fn = jax.value_and_grad(loss, has_aux=True)
+    step = jax.jit(lambda p, b, batch: grad_fn(p, b, batch=batch))
+    lowered = step.lower(abstract(params), abstract(biases), {"inputs": tokens, "targets": tokens})
+    return lowered.compile(compiler_options=FAST).memory_analysis().temp_size_in_bytes
+
+
+def _deeper(config: Config) -> Config:
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, num_layers=4))
+
+
+def _stored(config: Config) -> int:
+    """Predicted activation bytes of the layer stack (one stage, no head)."""
+    kept, working = memory.stage_activation_bytes(
+        config, memory.stage_units(config, 1)[0], last=False
+    )
+    return kept + working
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [("sp", "ep_a2a", "none"), ("tp", "etp", "none"), ("fsdp", "ep_ag", "full")],
+    ids="-".join,
+)
+def test_stored_activations_per_layer_match_xla(plan):
+    """Two more layers store what the model predicts for two layers: everything their
+    backward reads without remat; with remat='full' only their inputs (the unit being
+    recomputed is one unit at 2 layers and at 4)."""
+    attention, experts, remat = plan
+    config = _plan(ACTIVATIONS, attention, experts, remat=remat)
+    measured = _temp_bytes(_deeper(config)) - _temp_bytes(config)
+    predicted = _stored(_deeper(config)) - _stored(config)
+    assert predicted == pytest.approx(measured, rel=0.25)
+
+
+# ---------------------------------------------------------------- parameter traffic
+
+BASE = Config(
+    model=ModelConfig(
+        num_layers=2, first_k_dense=0, embed_dim=32, num_heads=8, num_kv_heads=2, head_dim=8
+    ),
+    moe=MoEConfig(num_experts=8, top_k=2, expert_mlp_dim=16),
+    train=TrainConfig(batch_size=8, seq_len=16),
+)
+GRADIENT_PLANS = [  # every attention and every expert layout once
+    ("dp", "ep_etp", 2, 4),
+    ("fsdp", "ep_a2a", 2, 4),
+    ("tp", "etp", 2, 4),
+    ("sp", "ep_ag", 1, 8),
+]
+
+
+@pytest.mark.parametrize("plan", GRADIENT_PLANS, ids=lambda p: "-".join(map(str, p)))
+def test_gradient_bytes_match_comm_report(plan):
+    config = _plan(BASE, *plan)
+    measured = comm_report.report(config, FAST)["param_grad_bytes_per_step"]
+    assert param_traffic.gradient_bytes_per_step(config) == pytest.approx(measured, rel=0.10)
+
+
+def test_gradient_bytes_scale_with_micro_batches_and_zero_adds_the_gather():
+    config = _plan(BASE, "sp", "ep_a2a")
+    twice = dataclasses.replace(config, train=dataclasses.replace(config.train, grad_accum=2))
+    once = param_traffic.gradient_bytes_per_step(config)
+    assert param_traffic.gradient_bytes_per_step(twice) == 2 * once
+    zero = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, zero=1))
+    # Every parameter has a dimension divisible by 2, so each is gathered: half its bytes.
+    params = memory.memory_per_device(config).grads
+    assert param_traffic.gradient_bytes_per_step(zero) == once + params // 2
+
+
+def test_hierarchical_sync_by_hand():
+    """sp + ep_a2a on d=2 nodes of n=4. Replicated over the node, per device: table and
+    head 259·32·4 = 33,152 B each, final norm 128; per layer q and out 32·8·8·4 = 8,192
+    each, k and v 32·2·8·4 = 2,048 each, router 32·8·4 = 1,024, two norms 256: P =
+    66,432 + 2·21,760 = 109,952. Split over the node: 2 of the 8 experts, 3·2·32·16·4 =
+    12,288 per layer, S = 24,576."""
+    volume = param_traffic.hierarchical_sync_bytes(_plan(BASE, "sp", "ep_a2a"))
+    replicated, split = 109_952, 24_576
+    assert volume["intra"] == 2 * replicated * 3 // 4  # reduce-scatter + all-gather in the node
+    assert volume["inter"] == 2 * replicated // 4 // 2 + 2 * split // 2
+    assert volume == {"intra": 164_928, "inter": 52_064}

@@ -1,0 +1,196 @@
+"""Planner and cost model: formulas by hand, the paper's Table 3 and layout choices, the
+CLI. Nothing is compiled; the memory model only traces shapes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import runpy
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+from moe_jax import config as config_lib
+from moe_jax.config import Config
+from moe_jax.plan import cost_model, hardware, paper_table, planner
+from moe_jax.plan.cost_model import Link, Plan
+
+ROOT = Path(__file__).resolve().parents[1]
+H800 = hardware.get("h800")
+
+
+@cache
+def load(name: str) -> Config:
+    return config_lib.load(runpy.run_path(str(ROOT / "configs" / f"{name}.py"))["get_config"]())
+
+
+@cache
+def table3() -> tuple[paper_table.Row, ...]:
+    return tuple(paper_table.rows(load("megascale_352b"), H800))
+
+
+def test_bubble_is_one_f_one_b():
+    assert cost_model.bubble_fraction(15, 60) == pytest.approx(14 / 74)
+    assert cost_model.bubble_fraction(1, 8) == 0
+    cost = cost_model.step_cost(load("megascale_352b"), Plan("sp", "ep_ag", 8, 12, 15), H800, 720)
+    assert cost.micro_batches == 60
+    assert cost.breakdown["bubble"] == pytest.approx(14 * cost.micro_batch_s)
+    assert sum(cost.breakdown.values()) == pytest.approx(cost.step_s)
+
+
+def test_ring_all_gather_is_alpha_beta():
+    link = Link(bandwidth=156e9, latency=3e-6)
+    result = 64e6  # bytes per device after the gather
+    by_hand = 7 * 3e-6 + result * 7 / 8 / 156e9
+    assert cost_model.all_gather_time(result, 8, link) == pytest.approx(by_hand)
+    assert cost_model.all_gather_time(result, 1, link) == 0
+
+
+def test_overlap_hides_what_compute_covers():
+    assert cost_model.exposed(1.0, 3.0, "none", 4) == 1.0
+    assert cost_model.exposed(1.0, 3.0, "megascale", 4) == pytest.approx(0.25)
+    assert cost_model.exposed(3.0, 1.0, "megascale", 4) == pytest.approx(2.25)
+
+
+def test_compute_comm_ratio():
+    """R = 3/2 h_ffn B/P n/(n-1): Mixtral's wide experts hide their exchange on H800
+    NVLink, DeepSeekMoE's 1408-wide ones cannot."""
+    mixtral = planner.compute_comm_ratio(load("mixtral_8x7b"), H800)
+    deepseek = planner.compute_comm_ratio(load("deepseek_moe_16b"), H800)
+    assert mixtral == pytest.approx(1.5 * 14336 * 400e9 / 989e12 * 8 / 7)
+    assert mixtral > 1 > deepseek
+    assert deepseek == pytest.approx(0.976, abs=1e-3)
+
+
+def test_plans_that_do_not_fit_are_dropped():
+    ranking = planner.rank(load("megascale_352b"), 8, H800, 32)
+    assert not ranking.candidates and ranking.dropped_for_memory == ranking.plans > 0
+    with pytest.raises(ValueError, match="no plan fits 8 x H800"):
+        _ = ranking.best
+
+
+def test_table3_megascale_within_25_percent():
+    for row in table3():
+        plan = row.megascale.plan
+        assert (plan.attention, plan.experts, plan.intra) == ("sp", "ep_a2a", 8)
+        assert (plan.remat, plan.grad_dtype) == ("selective", "bfloat16")
+        assert abs(row.errors["megascale"]) <= 0.25, (row.paper.gpus, row.errors)
+
+
+def test_table3_megatron_within_25_and_speedup_within_20_percent():
+    """Megatron-LM is still predicted faster than measured, the speed-up lower (see the
+    planner's report), both inside the targets at every size."""
+    for row in table3():
+        assert 0 < row.errors["megatron"] <= 0.25, (row.paper.gpus, row.errors)
+        assert -0.20 <= row.errors["speedup"] < 0, (row.paper.gpus, row.errors)
+    for row in table3():  # no token-exchange overlap in the baseline, most of it in SP+EP
+        hidden = row.megatron.cost.hidden
+        assert not hidden.get("attention_exchange") and not hidden.get("expert_exchange")
+        shown, hid = row.megascale.cost.breakdown, row.megascale.cost.hidden
+        assert hid["expert_exchange"] > shown["expert_exchange"]
+    assert all(r.speedup > 1.45 for r in table3())
+
+
+def test_tile_factor_slows_short_reductions_only():
+    eff = cost_model.Efficiency()
+    assert cost_model.tile_factor(4096, eff) == pytest.approx(1.0)
+    assert cost_model.tile_factor(14336, eff) == 1.0
+    assert cost_model.tile_factor(512, eff) == pytest.approx(0.5 * 4608 / 4096)
+    # backward: data gradient over the columns, weight gradient over the rows
+    shapes = ((768.0, 4096.0, 1792.0),)
+    backward = 2 / (1 / cost_model.tile_factor(4096, eff) + 1 / cost_model.tile_factor(768, eff))
+    assert cost_model.gemm_factor(shapes, True, eff) == pytest.approx(backward)
+    assert cost_model.gemm_factor((), False, eff) == 1.0
+
+
+def test_selective_remat_and_bf16_gradients_cost_less():
+    config = load("megascale_352b")
+    base = Plan("sp", "ep_a2a", 8, 12, 15)
+    full = cost_model.step_cost(config, base, H800, 720)
+    selective = cost_model.step_cost(
+        config, dataclasses.replace(base, remat="selective"), H800, 720
+    )
+    none = cost_model.step_cost(config, dataclasses.replace(base, remat="none"), H800, 720)
+    assert none.step_s < selective.step_s < full.step_s
+    assert selective.breakdown["expert_gemm"] == pytest.approx(none.breakdown["expert_gemm"])
+    bf16 = cost_model.step_cost(config, dataclasses.replace(base, grad_dtype="bfloat16"), H800, 720)
+    total = lambda c: c.breakdown["grad_sync"] + c.hidden["grad_sync"]
+    latency = 7 * 2 * 3e-6 + 11 * 2 * 10e-6
+    assert total(bf16) - latency == pytest.approx((total(full) - latency) / 2)
+
+
+def test_table3_mfu_falls_with_scale():
+    mfu = [row.megascale.cost.mfu for row in table3()]
+    assert mfu == sorted(mfu, reverse=True)
+    assert paper_table.format_table(list(table3())).count("\n") == 3 + len(table3())
+
+
+def test_mixtral_on_one_node_chooses_expert_parallelism():
+    """Mixtral-8x7B's layers on 8 H800 (8 of its 32 layers: the full model's float32
+    weights, gradients and Adam moments need 16 x 46.7B bytes, more than 8 x 80 GB)."""
+    mixtral = load("mixtral_8x7b")
+    config = dataclasses.replace(mixtral, model=dataclasses.replace(mixtral.model, num_layers=8))
+    ranking = planner.rank(config, 8, H800, 32, limit=20)
+    best = ranking.best
+    assert best.plan.experts in ("ep_a2a_ragged", "ep_ag") and best.plan.attention in ("sp", "dp")
+    sp_ep = next(c for c in ranking.candidates if c.plan.attention == "sp")
+    assert sp_ep.plan.experts.startswith("ep_")
+    assert sp_ep.cost.step_s <= best.cost.step_s * 1.02  # dp wins only by sp's exchange
+    baseline = planner.rank(
+        config, 8, H800, 32, limit=1, attention=("tp",), experts=("etp",), intra=(8,)
+    ).best
+    gain = sp_ep.cost.mfu / baseline.cost.mfu - 1
+    assert 0.149 <= gain <= 0.329  # the paper's single-node SP+EP over TP+TP
+    reason = "\n".join(planner.explain(best, H800, planner.runner_up(ranking)))
+    assert "attention_exchange" in reason
+
+
+def test_choose_plan_returns_trainer_settings():
+    choice = planner.choose_plan(load("mixtral_tiny"), 8, "h800")
+    assert set(choice) == {"attention", "experts", "intra", "data", "zero", "etp"}
+    assert choice["intra"] * choice["data"] == 8
+    parallel = dataclasses.replace(load("mixtral_tiny").parallel, **choice)
+    config_lib.validate(dataclasses.replace(load("mixtral_tiny"), parallel=parallel))
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    command = [sys.executable, "-m", "moe_jax.plan", *args]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env)
+
+
+@pytest.mark.parametrize(
+    "config,gpus,batch,pp,verdict",
+    [("megascale_352b", 1440, 720, 15, "R > 1"), ("deepseek_moe_16b", 64, 1024, 1, "R < 1")],
+)
+def test_cli_json_last_line(config: str, gpus: int, batch: int, pp: int, verdict: str):
+    """The issue's command for the 352B model (its plans fit in 80 GB only when a
+    recomputed layer's working set is counted once, not per micro-batch in flight)."""
+    run = _cli(
+        f"--config=configs/{config}.py",
+        f"--gpus={gpus}",
+        "--gpu=h800",
+        f"--global-batch={batch}",
+        f"--pp={pp}",
+        "--compare=megatron",
+        "--json",
+    )
+    assert run.returncode == 0, run.stderr
+    assert verdict in run.stdout  # Mixtral-like wide experts hide; DeepSeekMoE's narrow do not
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    for key in ("best", "baseline"):
+        assert {"attention", "experts", "tokens_per_sec", "mfu", "step_s"} <= set(result[key])
+    assert (result["baseline"]["attention"], result["baseline"]["experts"]) == ("tp", "etp")
+    ratio = result["best"]["tokens_per_sec"] / result["baseline"]["tokens_per_sec"]
+    assert result["speedup"] == pytest.approx(ratio) and ratio >= 1
+
+
+@pytest.mark.parametrize("flag", ["--bogus=1", "--gpu=v100", "--compare=deepspeed"])
+def test_cli_bad_flag_is_one_line(flag):
+    run = _cli("--gpus=8", flag)
+    assert run.returncode == 1
+    assert run.stderr.startswith("error:") and len(run.stderr.strip().splitlines()) == 1
