@@ -279,10 +279,12 @@ def _report(*plan) -> dict:
     return comm_report.report(_plan(*plan), FAST)
 
 
-REPORTED = [
+REPORTED = [  # every attention and every expert layout at least once
     ("sp", "ep_a2a", 2, 4, 1.25),
     ("sp", "ep_ag", 1, 8, 0.0, "bfloat16"),
     ("tp", "ep_etp", 1, 8),
+    ("dp", "ep_a2a", 2, 4),
+    ("fsdp", "etp", 2, 4),
 ]
 
 
