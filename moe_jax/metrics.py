@@ -30,10 +30,14 @@ class MetricsLogger:
 
     On resume, lines logged after the restored step (by a run that died before
     its next checkpoint) are dropped, so the file reads as one uninterrupted run.
+    In a multi-process job only process 0 logs (`enabled`); the others keep quiet.
     """
 
-    def __init__(self, workdir: Path, total_steps: int, start_step: int):
+    def __init__(self, workdir: Path, total_steps: int, start_step: int, enabled: bool = True):
         self.path = workdir / "metrics.jsonl"
+        self.enabled = enabled
+        if not enabled:
+            return
         rows = read_rows(self.path)
         kept = [row for row in rows if row["step"] <= start_step]
         if len(kept) != len(rows):
@@ -45,6 +49,8 @@ class MetricsLogger:
             self._bar = tqdm.tqdm(total=total_steps, initial=start_step, unit="step")
 
     def write(self, row: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
         for key, value in row.items():
@@ -61,10 +67,12 @@ class MetricsLogger:
             print(summary, flush=True)
 
     def advance(self, steps: int = 1) -> None:
-        if self._bar is not None:
+        if self.enabled and self._bar is not None:
             self._bar.update(steps)
 
     def close(self) -> None:
+        if not self.enabled:
+            return
         self._file.close()
         self._tb.close()
         if self._bar is not None:

@@ -16,6 +16,9 @@ from moe_jax import config as config_lib
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "Config file.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (default: runs/<config name>).")
+_COORDINATOR = flags.DEFINE_string("coordinator", "", "host:port of process 0 (multi-process).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", 0, "Processes in the job.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", -1, "This process's index in the job.")
 
 
 def main(argv: list[str]) -> None:
@@ -30,7 +33,12 @@ def main(argv: list[str]) -> None:
     config_path = flags.FLAGS["config"].config_filename
     workdir = Path(_WORKDIR.value or Path("runs") / Path(config_path).stem)
 
-    from moe_jax import trainer  # after validation: importing jax-heavy modules is slow
+    from moe_jax import distributed, trainer  # after validation: jax-heavy imports are slow
+
+    try:
+        distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+    except ValueError as error:
+        raise SystemExit(f"error: {error}") from None
 
     try:
         trainer.run(config, workdir)

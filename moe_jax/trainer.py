@@ -115,7 +115,8 @@ def run(config: config_lib.Config, workdir: str | Path) -> dict[str, Any]:
         print(f"resumed from {checkpoints.directory / str(start)}", flush=True)
     sharding = mesh_lib.batch_sharding(layout)
     workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "config.json").write_text(json.dumps(config_dict, indent=2) + "\n")
+    if process == 0:  # one writer for the run's files in a multi-process job
+        (workdir / "config.json").write_text(json.dumps(config_dict, indent=2) + "\n")
 
     step_fn = jax.jit(
         partial(train_step, graphdef, config),
@@ -123,7 +124,7 @@ def run(config: config_lib.Config, workdir: str | Path) -> dict[str, Any]:
         out_shardings=(state_sharding, None),
     )
     eval_fn = jax.jit(partial(eval_step, graphdef, config))
-    logger = MetricsLogger(workdir, tc.steps, start)
+    logger = MetricsLogger(workdir, tc.steps, start, enabled=process == 0)
     tokens_per_step = tc.batch_size * tc.seq_len
     flops_per_step = flops.flops_per_token(config.model, config.moe, tc.seq_len) * tokens_per_step
     peak = flops.peak_flops(jax.devices()[0])
@@ -183,7 +184,8 @@ def run(config: config_lib.Config, workdir: str | Path) -> dict[str, Any]:
     finally:
         checkpoints.close()
         logger.close()
-    pictures = plot_run(workdir)
-    print(f"outputs in {workdir}: metrics.jsonl, tb/, checkpoints/, config.json, ", end="")
-    print(", ".join(p.name for p in pictures), flush=True)
+    if process == 0:
+        pictures = plot_run(workdir)
+        print(f"outputs in {workdir}: metrics.jsonl, tb/, checkpoints/, config.json, ", end="")
+        print(", ".join(p.name for p in pictures), flush=True)
     return last
