@@ -41,7 +41,6 @@ from moe_jax.parallel.layout import DATA, EXPERT, INTRA, ROUTER_STATS, TOKEN_EXC
 def allgather_moe(layout, forward, x: jax.Array, params, cfg):
     """x [b, s, d] split over the mesh as the attention layout left it."""
     axis = 1 if EXPERT in layout.seq_axes else 0  # where the intra group splits tokens
-    x_spec, param_spec = block_specs(layout, params)
     local_experts = params.experts.gate.shape[0] // layout.size(EXPERT)
 
     def body(x, params):
@@ -59,9 +58,7 @@ def allgather_moe(layout, forward, x: jax.Array, params, cfg):
             stats = stats.combine(batch_axes=(DATA,), copy_axes=INTRA)
         return y, stats
 
-    return jax.shard_map(
-        body, mesh=layout.mesh, in_specs=(x_spec, param_spec), out_specs=(x_spec, P())
-    )(x, params)
+    return run_block(layout, body, x, params)
 
 
 def block_specs(layout, params):
@@ -76,14 +73,40 @@ def _exchange(rows: jax.Array) -> jax.Array:
         return jax.lax.all_to_all(rows, INTRA, split_axis=0, concat_axis=0, tiled=True)
 
 
+def local_compute(cfg, n: int):
+    """(experts per device, their config, the expert impl) of an all-to-all layout: the
+    owners compute dropless on what they receive (drops were decided by the senders)."""
+    local_experts = cfg.num_experts // n
+    compute_cfg = dataclasses.replace(cfg, num_experts=local_experts, capacity_factor=0.0)
+    return local_experts, compute_cfg, expert_impls.IMPLS[expert_impls.resolve_impl(compute_cfg)]
+
+
+def received_routing(expert: jax.Array, present: jax.Array) -> Routing:
+    """Routing of received rows [R, 1]: each row to its local expert, weight 1, empty
+    rows absent."""
+    rows = expert.shape[0]
+    return Routing(
+        expert_index=jnp.where(present, expert, 0),
+        weights=present.astype(jnp.float32),
+        keep=present,
+        logits=jnp.zeros((rows, 1), jnp.float32),
+        probs=jnp.zeros((rows, 1), jnp.float32),
+    )
+
+
+def run_block(layout, body, x: jax.Array, params):
+    """`body(x, params) -> (y, stats)` per device, tokens as the attention layout left them."""
+    x_spec, param_spec = block_specs(layout, params)
+    return jax.shard_map(
+        body, mesh=layout.mesh, in_specs=(x_spec, param_spec), out_specs=(x_spec, P())
+    )(x, params)
+
+
 def alltoall_moe(layout, forward, x: jax.Array, params, cfg):
     """x [b, s, d] split over the mesh as the attention layout left it."""
     del forward  # this layout composes route, exchange and expert compute itself
     n = layout.size(INTRA)  # the mesh's 'tensor' axis has size 1 for this layout
-    local_experts = cfg.num_experts // n
-    x_spec, param_spec = block_specs(layout, params)
-    compute_cfg = dataclasses.replace(cfg, num_experts=local_experts, capacity_factor=0.0)
-    impl = expert_impls.IMPLS[expert_impls.resolve_impl(compute_cfg)]
+    local_experts, compute_cfg, impl = local_compute(cfg, n)
 
     def body(x, params):
         batch, seq, dim = x.shape
@@ -101,20 +124,11 @@ def alltoall_moe(layout, forward, x: jax.Array, params, cfg):
         )
         rows = _exchange(dsp.dispatch(tokens, layout_out))
         expert = _exchange(expert_of_row)[:, None]
-        present = expert < local_experts
-        received = Routing(
-            expert_index=jnp.where(present, expert, 0),
-            weights=present.astype(jnp.float32),
-            keep=present,
-            logits=jnp.zeros((rows.shape[0], 1), jnp.float32),
-            probs=jnp.zeros((rows.shape[0], 1), jnp.float32),
-        )
+        received = received_routing(expert, expert < local_experts)
         results = _exchange(impl(rows, received, params.experts, compute_cfg))
         y = dsp.combine(results, layout_out, routing).reshape(x.shape)
         with jax.named_scope(ROUTER_STATS):
             stats = router_stats(routing, batch).combine(layout.batch_axes, layout.seq_axes)
         return y, stats
 
-    return jax.shard_map(
-        body, mesh=layout.mesh, in_specs=(x_spec, param_spec), out_specs=(x_spec, P())
-    )(x, params)
+    return run_block(layout, body, x, params)

@@ -43,18 +43,14 @@ same exchange in reverse.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
 from moe_jax.config import MoEConfig
 from moe_jax.moe import dispatch as dsp
-from moe_jax.moe import experts as expert_impls
 from moe_jax.moe.losses import router_stats
-from moe_jax.moe.routing import Routing, route
-from moe_jax.parallel.expert_parallel import block_specs
+from moe_jax.moe.routing import route
+from moe_jax.parallel.expert_parallel import local_compute, received_routing, run_block
 from moe_jax.parallel.layout import INTRA, ROUTER_STATS, TOKEN_EXCHANGE, Layout
 
 NAME = "ep_a2a_ragged"  # the `parallel.experts` name this layout is registered under
@@ -116,10 +112,7 @@ def ragged_alltoall_moe(layout: Layout, forward, x: jax.Array, params, cfg: MoEC
     """x [b, s, d] split over the mesh as the attention layout left it."""
     del forward  # this layout composes route, exchange and expert compute itself
     n = layout.size(INTRA)  # the mesh's 'tensor' axis has size 1 for this layout
-    local_experts = cfg.num_experts // n
-    x_spec, param_spec = block_specs(layout, params)
-    compute_cfg = dataclasses.replace(cfg, num_experts=local_experts, capacity_factor=0.0)
-    impl = expert_impls.IMPLS[expert_impls.resolve_impl(compute_cfg)]
+    local_experts, compute_cfg, impl = local_compute(cfg, n)
 
     def body(x, params):
         batch, seq, dim = x.shape
@@ -137,13 +130,7 @@ def ragged_alltoall_moe(layout: Layout, forward, x: jax.Array, params, cfg: MoEC
         sent = dsp.dispatch(tokens, send)
         rows = _ragged(sent, n * bound, offsets, sizes, mine, recv_sizes)
         expert, present = received_experts(counts, bound)
-        received = Routing(
-            expert_index=expert[:, None],
-            weights=present[:, None].astype(jnp.float32),
-            keep=present[:, None],
-            logits=jnp.zeros((rows.shape[0], 1), jnp.float32),
-            probs=jnp.zeros((rows.shape[0], 1), jnp.float32),
-        )
+        received = received_routing(expert[:, None], present[:, None])
         results = impl(rows, received, params.experts, compute_cfg)
         back = _ragged(results, send.source.shape[0], regions, recv_sizes, their_offsets, sizes)
         y = dsp.combine(back, send, routing).reshape(x.shape)
@@ -151,6 +138,4 @@ def ragged_alltoall_moe(layout: Layout, forward, x: jax.Array, params, cfg: MoEC
             stats = router_stats(routing, batch).combine(layout.batch_axes, layout.seq_axes)
         return y, stats
 
-    return jax.shard_map(
-        body, mesh=layout.mesh, in_specs=(x_spec, param_spec), out_specs=(x_spec, P())
-    )(x, params)
+    return run_block(layout, body, x, params)
