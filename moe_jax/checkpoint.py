@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 # Settings that change the shapes or meaning of saved parameters.
 ARCHITECTURE_SECTIONS = ("model", "moe")
@@ -95,8 +96,11 @@ class Checkpointer:
         return restored["state"], restored["data"]
 
     def wait(self) -> None:
+        """Returns once the last save is complete on every process (before exiting on a signal)."""
         if self._manager is not None:
             self._manager.wait_until_finished()
+            if jax.process_count() > 1:
+                multihost_utils.sync_global_devices("moe_jax: checkpoint complete")
 
     def close(self) -> None:
         if self._manager is not None:

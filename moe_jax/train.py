@@ -1,7 +1,9 @@
 """`python -m moe_jax.train [--config=configs/<name>.py] [--config.<a>.<b>=<v>] [--workdir=DIR]`.
 
 With no flags it trains `configs/default.py` on the embedded corpus (the
-Python standard library's source) into `runs/default`.
+Python standard library's source) into `runs/default`. Exit status: 0 when
+done, 1 on bad input, 75 when a signal (SIGTERM, Ctrl-C) made it save and
+stop early; rerunning the same command resumes.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 from moe_jax import config as config_lib
@@ -30,10 +32,12 @@ def main(argv: list[str]) -> None:
         config = config_lib.load(_CONFIG.value)
     except ValueError as error:
         raise SystemExit(f"error: {error}") from None
+    if not flags.FLAGS["verbosity"].present:  # orbax and jax log every step at INFO
+        logging.set_verbosity(logging.WARNING)
     config_path = flags.FLAGS["config"].config_filename
     workdir = Path(_WORKDIR.value or Path("runs") / Path(config_path).stem)
 
-    from moe_jax import distributed, trainer  # after validation: jax-heavy imports are slow
+    from moe_jax import distributed, preemption, trainer  # after validation: slow imports
 
     try:
         distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
@@ -45,6 +49,9 @@ def main(argv: list[str]) -> None:
     except trainer.RunError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
+    except trainer.Stopped as stopped:
+        print(stopped, flush=True)
+        raise SystemExit(preemption.EXIT_REQUEUE) from None
 
 
 if __name__ == "__main__":

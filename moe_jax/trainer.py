@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import signal
 import time
 from functools import partial
 from pathlib import Path
@@ -25,6 +24,7 @@ from moe_jax.data import pipeline
 from moe_jax.metrics import MetricsLogger
 from moe_jax.parallel import mesh as mesh_lib
 from moe_jax.plots import plot_run
+from moe_jax.preemption import StopRequest
 from moe_jax.train_step import eval_step, init_state, train_step
 
 
@@ -32,30 +32,15 @@ class RunError(Exception):
     """A run that cannot start or must stop, for a reason the user can fix (one line)."""
 
 
-class _StopRequest:
-    """Turns SIGTERM / SIGINT into a flag the loop checks after each step."""
-
-    def __init__(self):
-        self.signal: int | None = None
-        self._previous = {}
-
-    def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        self.signal = signum
-
-    def __exit__(self, *exc):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+class Stopped(Exception):
+    """The run saved a checkpoint and stopped early because it was asked to (a signal)."""
 
 
-def _evaluate(eval_fn, state, config: config_lib.Config, sharding) -> float:
-    batches = pipeline.make_iterator(config, "val", shuffle=False)
+def _evaluate(eval_fn, state, config: config_lib.Config, sharding, rows) -> float:
+    batches = pipeline.make_iterator(config, "val", rows, shuffle=False)
+    size = config.train.batch_size
     losses = [
-        float(eval_fn(state, pipeline.global_array(next(batches), sharding)))
+        float(eval_fn(state, pipeline.global_array(next(batches), sharding, size)))
         for _ in range(config.train.eval_batches)
     ]
     return float(np.mean(losses))
@@ -82,7 +67,7 @@ def run(config: config_lib.Config, workdir: str | Path) -> dict[str, Any]:
     """Trains (or resumes) `config` in `workdir`; returns the last logged rows."""
     workdir = Path(workdir)
     tc = config.train
-    process, processes = jax.process_index(), jax.process_count()
+    process = jax.process_index()
     checkpoints = Checkpointer(workdir / "checkpoints", tc.keep_checkpoints)
     try:
         chose = config.parallel.layout == "auto"
@@ -95,15 +80,17 @@ def run(config: config_lib.Config, workdir: str | Path) -> dict[str, Any]:
                 flush=True,
             )
         mesh_lib.check_plan(config, jax.device_count())
-        train_batches = pipeline.make_iterator(config, "train", process, processes)
-        pipeline.make_iterator(config, "val", shuffle=False)  # fails early on a bad val split
+        mesh = mesh_lib.make_mesh(config)
+        layout = mesh_lib.make_layout(config, mesh)
+        sharding = mesh_lib.batch_sharding(layout)
+        rows = pipeline.local_rows(sharding, tc.batch_size, tc.seq_len)  # this process's share
+        train_batches = pipeline.make_iterator(config, "train", rows)
+        pipeline.make_iterator(config, "val", rows, shuffle=False)  # fails early on a bad split
         config_dict = dataclasses.asdict(config)
         checkpoints.check_compatible(config_dict)
     except ValueError as error:
         raise RunError(str(error)) from None
 
-    mesh = mesh_lib.make_mesh(config)
-    layout = mesh_lib.make_layout(config, mesh)
     graphdef, state = init_state(config, layout)
     state_sharding = mesh_lib.train_state_shardings(state, layout, config.parallel.zero)
     # Placed as the step's outputs will be, so step 1 does not compile twice.
@@ -113,7 +100,6 @@ def run(config: config_lib.Config, workdir: str | Path) -> dict[str, Any]:
         state, data_state = checkpoints.restore(start, state)
         train_batches.set_state(data_state)
         print(f"resumed from {checkpoints.directory / str(start)}", flush=True)
-    sharding = mesh_lib.batch_sharding(layout)
     workdir.mkdir(parents=True, exist_ok=True)
     if process == 0:  # one writer for the run's files in a multi-process job
         (workdir / "config.json").write_text(json.dumps(config_dict, indent=2) + "\n")
@@ -135,12 +121,12 @@ def run(config: config_lib.Config, workdir: str | Path) -> dict[str, Any]:
     bad_in_a_row = 0
     save = lambda step: checkpoints.save(step, state, train_batches.get_state(), config_dict)
     try:
-        with _StopRequest() as stop:
+        with StopRequest() as stop:
             clock, clock_step = time.perf_counter(), start
             for step in range(start + 1, tc.steps + 1):
                 if profile and step == profile[0]:
                     jax.profiler.start_trace(str(workdir / "profile"))
-                batch = pipeline.global_array(next(train_batches), sharding)
+                batch = pipeline.global_array(next(train_batches), sharding, tc.batch_size)
                 state, metrics = step_fn(state, batch)
                 if profile and step == profile[1] - 1:
                     jax.block_until_ready(state)
@@ -167,16 +153,16 @@ def run(config: config_lib.Config, workdir: str | Path) -> dict[str, Any]:
                     logger.write(last)
                     clock, clock_step = time.perf_counter(), step
                 if (tc.eval_every and step % tc.eval_every == 0) or step == tc.steps:
-                    val = {"step": step, "val_loss": _evaluate(eval_fn, state, config, sharding)}
+                    val_loss = _evaluate(eval_fn, state, config, sharding, rows)
+                    val = {"step": step, "val_loss": val_loss}
                     logger.write(val)
                     last = {**last, **val}
                     clock, clock_step = time.perf_counter(), step
-                if stop.signal is not None:
+                if stop.reached(step):
                     save(step)
                     checkpoints.wait()
-                    name = signal.Signals(stop.signal).name
-                    print(f"{name}: saved step {step} in {checkpoints.directory}", flush=True)
-                    return last
+                    print(f"{stop.name}: saved step {step} in {checkpoints.directory}", flush=True)
+                    raise Stopped(f"{stop.name}: stopped after step {step}; run again to resume")
                 if tc.checkpoint_every and step % tc.checkpoint_every == 0:
                     save(step)
             if tc.steps > start:

@@ -293,13 +293,18 @@ def test_iterator_resumes_exactly(source, prepared):
 def test_global_batch_is_independent_of_process_count(source):
     config = make_config({"data.source": source, "train.batch_size": 8, "train.seq_len": 32})
     single = pipeline.make_iterator(config, "train")
-    halves = [pipeline.make_iterator(config, "train", p, 2) for p in range(2)]
+    halves = [pipeline.make_iterator(config, "train", np.arange(4) + 4 * p) for p in range(2)]
+    odd = pipeline.make_iterator(config, "train", np.array([1, 3, 5, 7]))
     for _ in range(3):
         whole = next(single)
         parts = [next(h) for h in halves]
         assert parts[0]["inputs"].shape == (4, 32)
         for key in ("inputs", "targets"):
             np.testing.assert_array_equal(np.concatenate([p[key] for p in parts]), whole[key])
+        np.testing.assert_array_equal(next(odd)["inputs"], whole["inputs"][1::2])
+    with pytest.raises(ValueError) as excinfo:
+        pipeline.make_iterator(config, "train", np.array([7, 8]))
+    one_line_error(excinfo, "train.batch_size=8")
 
 
 def test_val_iterates_in_order_and_repeats(prepared):
@@ -366,7 +371,10 @@ def test_global_array_matches_the_local_batch():
     single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     mesh = jax.make_mesh((len(jax.devices()),), ("data",))
     spread = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
-    for sharding in (single, spread):
+    grid = jax.make_mesh((2, len(jax.devices()) // 2), ("data", "seq"))
+    tiles = jax.sharding.NamedSharding(grid, jax.sharding.PartitionSpec("data", "seq"))
+    for sharding in (single, spread, tiles):
+        np.testing.assert_array_equal(pipeline.local_rows(sharding, 8, 16), np.arange(8))
         arrays = pipeline.global_array(batch, sharding)
         for key, value in batch.items():
             assert arrays[key].sharding == sharding

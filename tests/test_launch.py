@@ -10,7 +10,9 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
+from moe_jax import distributed
 from moe_jax.metrics import read_rows
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,3 +57,51 @@ def test_incomplete_distributed_flags_are_one_line():
     assert run.returncode == 1
     error = run.stderr.strip().splitlines()[-1]
     assert error.startswith("error: --coordinator=''") and "process_id" in error
+
+
+def _slurm_env(tasks_per_node: str, local_id: int, node: int = 0, **extra) -> dict[str, str]:
+    env = {"SLURM_STEP_TASKS_PER_NODE": tasks_per_node, "SLURM_LOCALID": str(local_id)}
+    return {**env, "SLURM_NODEID": str(node), **extra}
+
+
+def test_slurm_tasks_get_their_share_of_the_node_gpus():
+    # One task per node drives all 8 GPUs (plain JAX would give it GPU 0 only).
+    assert distributed.slurm_local_devices(_slurm_env("1(x16)", 0), gpus=8) == list(range(8))
+    # One task per GPU: task 5 of a node drives GPU 5.
+    assert distributed.slurm_local_devices(_slurm_env("8(x16)", 5, node=3), gpus=8) == [5]
+    # Two tasks per node split the 8 GPUs in halves; nodes may differ ("4,2(x2)").
+    assert distributed.slurm_local_devices(_slurm_env("2(x2)", 1), gpus=8) == [4, 5, 6, 7]
+    assert distributed.slurm_local_devices(_slurm_env("4,2(x2)", 1, node=2), gpus=4) == [2, 3]
+    # SLURM already bound each task to its own GPU(s): all of the visible ones.
+    visible = _slurm_env("8(x2)", 6, CUDA_VISIBLE_DEVICES="6")
+    assert distributed.slurm_local_devices(visible) == [0]
+    bound = _slurm_env("2", 1, CUDA_VISIBLE_DEVICES="4,5,6,7", SLURM_GPUS_PER_TASK="4")
+    assert distributed.slurm_local_devices(bound) == [0, 1, 2, 3]
+    # No GPUs: JAX's CPU backend ignores device ids.
+    assert distributed.slurm_local_devices(_slurm_env("2", 1), gpus=0) is None
+    with pytest.raises(ValueError, match="3 tasks on this node cannot share 8 GPUs"):
+        distributed.slurm_local_devices(_slurm_env("3", 0), gpus=8)
+
+
+def test_only_multi_task_srun_steps_start_the_distributed_runtime():
+    step = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1"}
+    step |= {"SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NODELIST": "node[1-2]"}
+    assert distributed.in_slurm_step(step)
+    batch_script = {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2", "SLURM_PROCID": "0"}
+    assert not distributed.in_slurm_step(batch_script)  # the script itself, outside srun
+    assert not distributed.in_slurm_step({**step, "SLURM_STEP_NUM_TASKS": "1"})
+
+
+def test_job_template_xla_flags_are_known_to_this_xla():
+    """An unknown flag in XLA_FLAGS aborts every process at start-up."""
+    template = (ROOT / "launch" / "slurm" / "train.sbatch").read_text()
+    block = template.split("GPU_XLA_FLAGS=(")[1].split(")")[0]
+    flags = block.split()
+    assert len(flags) >= 5 and all(f.startswith("--xla_gpu_") for f in flags)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(flags))
+    code = "import jax; jax.numpy.ones(1).block_until_ready()"
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    bad = dict(env, XLA_FLAGS="--xla_gpu_no_such_flag=true")
+    run = subprocess.run([sys.executable, "-c", code], env=bad, capture_output=True, text=True)
+    assert run.returncode != 0 and "Unknown flag" in run.stderr

@@ -24,6 +24,7 @@ from moe_jax.checkpoint import Checkpointer
 from moe_jax.data import pipeline
 from moe_jax.data.token_files import write_meta, write_split
 from moe_jax.metrics import read_rows
+from moe_jax.preemption import EXIT_REQUEUE
 from moe_jax.train_step import init_state
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -198,7 +199,7 @@ def test_kill_during_async_save_resumes_from_previous(tmp_path: Path):
     assert (checkpoints / "6").is_dir()
 
 
-def test_sigterm_saves_and_exits_zero(tmp_path: Path):
+def test_sigterm_saves_and_exits_for_requeue(tmp_path: Path):
     run = tmp_path / "run"
     args = [*TINY, "--config.train.steps=100000", "--config.train.checkpoint_every=0"]
     proc = _start(_train_cmd(run, *args))
@@ -206,7 +207,7 @@ def test_sigterm_saves_and_exits_zero(tmp_path: Path):
     proc.send_signal(signal.SIGTERM)
     sent = time.time()
     out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 0, err[-3000:]
+    assert proc.returncode == EXIT_REQUEUE, err[-3000:]
     assert time.time() - sent < 30
     saved = [line for line in out.splitlines() if line.startswith("SIGTERM: saved step")]
     assert saved, out[-2000:]

@@ -1,8 +1,9 @@
 """Training and evaluation batches: packed windows of a token stream, served by grain.
 
 Every process draws the same global batch of window indices and loads only
-its own rows, so the global batch does not depend on the process count, and
-the iterator state (a batch counter) restores exactly on any number of hosts.
+the rows its devices hold (`local_rows`), so the global batch does not depend
+on the process count, and the iterator state (a batch counter) restores
+exactly on any number of hosts.
 """
 
 from __future__ import annotations
@@ -93,16 +94,16 @@ def _pairs(windows: np.ndarray) -> dict[str, np.ndarray]:
     return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
 
 
-def _local_rows(source: PackedSequences, lo: int, hi: int, indices: np.ndarray) -> dict:
-    return _pairs(source.rows(indices[lo:hi]))
+def _packed_rows(source: PackedSequences, rows: np.ndarray, indices: np.ndarray) -> dict:
+    return _pairs(source.rows(indices[rows]))
 
 
-def _synthetic_rows(config: Config, split: str, lo: int, hi: int, index: int, _: Any) -> dict:
+def _synthetic_rows(config: Config, split: str, rows: np.ndarray, index: int, _: Any) -> dict:
     """Batch `index` of the synthetic stream, a pure function of (seed, split, index)."""
     t = config.train
     rng = np.random.default_rng([t.seed % 2**32, _SPLIT_CODES[split], index])
     tokens = recurrence_tokens(t.batch_size, t.seq_len + 1, config.model.vocab_size, rng)
-    return _pairs(tokens[lo:hi])
+    return _pairs(tokens[rows])
 
 
 class Batches:
@@ -137,28 +138,35 @@ class Batches:
         self._iter.set_state(state["position"])
 
 
+def local_rows(sharding: jax.sharding.Sharding, batch_size: int, seq_len: int) -> np.ndarray:
+    """The global batch rows held by this process's devices, in order.
+
+    With the batch split over processes these are a contiguous block; a plan
+    that splits only the sequence across processes needs every row everywhere.
+    """
+    indices = sharding.addressable_devices_indices_map((batch_size, seq_len)).values()
+    rows: set[int] = set()
+    for index in indices:
+        rows.update(range(*index[0].indices(batch_size)))
+    return np.array(sorted(rows), np.int64)
+
+
 def make_iterator(
     config: Config,
     split: str,
-    process_index: int = 0,
-    process_count: int = 1,
+    rows: np.ndarray | None = None,
     shuffle: bool = True,
 ) -> Batches:
-    """This process's rows [process_index * local_b, +local_b) of each global batch.
+    """The rows `rows` (default: all; see `local_rows`) of each global batch.
 
     Opens and checks the data now, so bad inputs fail before anything compiles.
     """
     t, d = config.train, config.data
     if split not in _SPLIT_CODES:
         raise ValueError(f"split={split!r} is invalid: valid splits are {tuple(_SPLIT_CODES)}")
-    if not 0 <= process_index < process_count:
-        raise ValueError(f"process_index={process_index} is not in [0, {process_count})")
-    if t.batch_size % process_count:
-        raise ValueError(
-            f"train.batch_size={t.batch_size} does not divide into {process_count} processes"
-        )
-    local_b = t.batch_size // process_count
-    lo, hi = process_index * local_b, (process_index + 1) * local_b
+    rows = np.arange(t.batch_size) if rows is None else np.asarray(rows, np.int64)
+    if rows.size == 0 or rows.min() < 0 or rows.max() >= t.batch_size:
+        raise ValueError(f"rows {rows.tolist()} are not rows of train.batch_size={t.batch_size}")
     identity: dict[str, Any] = {
         "source": d.source,
         "split": split,
@@ -169,7 +177,7 @@ def make_iterator(
     }
     if d.source == "synthetic":
         ds = grain.MapDataset.range(1).repeat(None)
-        ds = ds.map_with_index(functools.partial(_synthetic_rows, config, split, lo, hi))
+        ds = ds.map_with_index(functools.partial(_synthetic_rows, config, split, rows))
         return Batches(ds.to_iter_dataset(_READ_OPTIONS), identity)
     tokens, _ = token_stream(d, split, config.model.vocab_size)
     where = f"data.path={d.path}" if d.source == "tokens" else f"data.source={d.source!r}"
@@ -179,8 +187,32 @@ def make_iterator(
     if shuffle:
         ds = ds.shuffle(seed=t.seed % 2**32)
     ds = ds.repeat(None).batch(t.batch_size)
-    ds = ds.map(functools.partial(_local_rows, source, lo, hi))
+    ds = ds.map(functools.partial(_packed_rows, source, rows))
     return Batches(ds.to_iter_dataset(_READ_OPTIONS), identity)
+
+
+def global_array(
+    local_batch: dict[str, np.ndarray], sharding: jax.sharding.Sharding, batch_size: int = 0
+) -> dict:
+    """Each entry as one global jax.Array of `batch_size` rows (default: the rows given).
+
+    `local_batch` holds exactly the rows that `local_rows(sharding, ...)` names.
+    """
+
+    def assemble(value: np.ndarray) -> jax.Array:
+        shape = (batch_size or value.shape[0], *value.shape[1:])
+        rows = local_rows(sharding, shape[0], shape[1])
+        if len(rows) != value.shape[0]:
+            raise ValueError(f"{value.shape[0]} local rows given; the sharding needs {len(rows)}")
+        position = {int(row): i for i, row in enumerate(rows)}
+
+        def shard(index: tuple[slice, ...]) -> np.ndarray:
+            wanted = [position[row] for row in range(*index[0].indices(shape[0]))]
+            return value[wanted][(slice(None), *index[1:])]
+
+        return jax.make_array_from_callback(shape, sharding, shard)
+
+    return {key: assemble(value) for key, value in local_batch.items()}
 
 
 def unigram_entropy(tokens: np.ndarray) -> float:
@@ -198,11 +230,3 @@ def unigram_entropy(tokens: np.ndarray) -> float:
         raise ValueError("unigram_entropy of an empty token array is undefined")
     p = counts[counts > 0] / total
     return float(-(p * np.log(p)).sum())
-
-
-def global_array(local_batch: dict[str, np.ndarray], sharding: jax.sharding.Sharding) -> dict:
-    """Each entry as one global jax.Array assembled from every process's local rows."""
-    return {
-        key: jax.make_array_from_process_local_data(sharding, value)
-        for key, value in local_batch.items()
-    }
