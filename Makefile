@@ -23,7 +23,7 @@ train: $(VENV)/.runtime
 test: $(VENV)/.dev
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest
+	$(PY) -m pytest --durations=15
 
 lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check .
