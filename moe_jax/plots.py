@@ -46,7 +46,7 @@ def plot_expert_load(rows: list[dict], path: Path) -> None:
             load[:, layer, :].T,
             aspect="auto",
             cmap="viridis",
-            extent=(steps[0], steps[-1], load.shape[2] - 0.5, -0.5),
+            extent=(steps[0] - 0.5, steps[-1] + 0.5, load.shape[2] - 0.5, -0.5),
         )
         ax.set_ylabel(f"MoE layer {layer}\nexpert")
         fig.colorbar(image, ax=ax, label="share of tokens")
