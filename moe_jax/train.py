@@ -50,7 +50,7 @@ def main(argv: list[str]) -> None:
         print(f"error: {error}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
     except trainer.Stopped as stopped:
-        print(stopped, flush=True)
+        trainer.say(str(stopped))
         raise SystemExit(preemption.EXIT_REQUEUE) from None
 
 

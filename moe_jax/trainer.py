@@ -36,6 +36,12 @@ class Stopped(Exception):
     """The run saved a checkpoint and stopped early because it was asked to (a signal)."""
 
 
+def say(message: str) -> None:
+    """Prints on process 0 only: a 128-process job says things once."""
+    if jax.process_index() == 0:
+        print(message, flush=True)
+
+
 def _evaluate(eval_fn, state, config: config_lib.Config, sharding, rows) -> float:
     batches = pipeline.make_iterator(config, "val", rows, shuffle=False)
     size = config.train.batch_size
@@ -74,10 +80,9 @@ def run(config: config_lib.Config, workdir: str | Path) -> dict[str, Any]:
         config = mesh_lib.resolve(config, jax.device_count())
         if chose:
             p = config.parallel
-            print(
+            say(
                 f"planner chose attention={p.attention} experts={p.experts} intra={p.intra} "
-                f"data={p.data} zero={p.zero}",
-                flush=True,
+                f"data={p.data} zero={p.zero}"
             )
         mesh_lib.check_plan(config, jax.device_count())
         mesh = mesh_lib.make_mesh(config)
@@ -99,7 +104,7 @@ def run(config: config_lib.Config, workdir: str | Path) -> dict[str, Any]:
     if start:
         state, data_state = checkpoints.restore(start, state)
         train_batches.set_state(data_state)
-        print(f"resumed from {checkpoints.directory / str(start)}", flush=True)
+        say(f"resumed from {checkpoints.directory / str(start)}")
     workdir.mkdir(parents=True, exist_ok=True)
     if process == 0:  # one writer for the run's files in a multi-process job
         (workdir / "config.json").write_text(json.dumps(config_dict, indent=2) + "\n")
@@ -134,7 +139,7 @@ def run(config: config_lib.Config, workdir: str | Path) -> dict[str, Any]:
                 logger.advance()
                 bad_in_a_row = bad_in_a_row + 1 if int(metrics["skipped"]) else 0
                 if bad_in_a_row:
-                    print(f"step {step}: non-finite loss, update skipped", flush=True)
+                    say(f"step {step}: non-finite loss, update skipped")
                 if bad_in_a_row >= tc.max_bad_steps:
                     raise RunError(
                         f"stopping: {bad_in_a_row} steps in a row had a non-finite loss "
@@ -161,7 +166,7 @@ def run(config: config_lib.Config, workdir: str | Path) -> dict[str, Any]:
                 if stop.reached(step):
                     save(step)
                     checkpoints.wait()
-                    print(f"{stop.name}: saved step {step} in {checkpoints.directory}", flush=True)
+                    say(f"{stop.name}: saved step {step} in {checkpoints.directory}")
                     raise Stopped(f"{stop.name}: stopped after step {step}; run again to resume")
                 if tc.checkpoint_every and step % tc.checkpoint_every == 0:
                     save(step)

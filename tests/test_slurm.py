@@ -5,7 +5,7 @@ launch/slurm/train.sbatch runs two JAX processes of 4 CPU devices each.
 - its losses equal one process with 8 devices;
 - its checkpoint, saved under sp+ep_ag over 8 devices by 2 processes, restores
   under tp+etp (intra 4, data 2) in 1 process with identical values, and that
-  process continues the run as the single-process run's checkpoint does;
+  process continues the run with the losses of the uninterrupted run;
 - `scancel --signal=TERM` mid-run leaves a checkpoint, the job requeues itself
   and reaches the uninterrupted run's final loss.
 """
@@ -27,40 +27,15 @@ import pytest
 
 from moe_jax import config as config_lib
 from moe_jax.checkpoint import Checkpointer
-from moe_jax.metrics import read_rows
 from moe_jax.parallel import mesh as mesh_lib
 from moe_jax.train_step import init_state
+from tests.multihost import MODEL, MORE_STEPS, ROOT, SAVED_PLAN, STEPS, flags, losses, train
 
 pytestmark = pytest.mark.slurm
 
-ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "launch" / "slurm" / "local_cluster.sh"
 TEMPLATE = ROOT / "launch" / "slurm" / "train.sbatch"
-STEPS = 20
-MODEL = {
-    "model.num_heads": 8,  # Ulysses over 8 devices splits the heads 8 ways
-    "model.embed_dim": 32,
-    "model.head_dim": 8,
-    "model.mlp_dim": 64,
-    "moe.expert_mlp_dim": 32,
-    "train.batch_size": 8,
-    "train.seq_len": 32,
-    "train.log_every": 1,
-    "train.eval_every": 0,
-    "train.eval_batches": 1,
-    "train.checkpoint_every": 10,
-    "data.source": "synthetic",
-}
-SAVED_PLAN = {"parallel.attention": "sp", "parallel.experts": "ep_ag", "parallel.intra": 8}
 OTHER_PLAN = {"parallel.attention": "tp", "parallel.experts": "etp", "parallel.intra": 4}
-
-
-def _flags(settings: dict, steps: int = STEPS) -> list[str]:
-    return [f"--config.{k}={v}" for k, v in {**settings, "train.steps": steps}.items()]
-
-
-def _losses(workdir: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in read_rows(workdir / "metrics.jsonl") if "loss" in r}
 
 
 def _free_port_pair() -> int:
@@ -89,22 +64,14 @@ def cluster(tmp_path_factory) -> dict[str, str]:
     subprocess.run([CLUSTER, "down"], env=env, capture_output=True, timeout=120)
 
 
-def _train(workdir: Path, flags: list[str]) -> None:
-    """One process with the 8 test devices."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    command = [sys.executable, "-m", "moe_jax.train", f"--workdir={workdir}", *flags]
-    run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-
-
-def _sbatch(cluster: dict, workdir: Path, flags: list[str], wait: bool) -> tuple[str, int]:
+def _sbatch(cluster: dict, workdir: Path, train_flags: list[str], wait: bool) -> tuple[str, int]:
     """Submits the template as a 2-task job of 4 CPU devices per task: (job id, exit code)."""
     env = dict(cluster, XLA_FLAGS="--xla_force_host_platform_device_count=4")
     env.update(JAX_PLATFORMS="cpu", MOE_JAX_PYTHON=sys.executable, PYTHONUNBUFFERED="1")
     command = ["sbatch", "--parsable", "--nodes=1", "--ntasks=2", "--gpus-per-node=0"]
     command += ["--cpus-per-task=1", "--time=00:20:00", f"--output={workdir}.out"]
     command += ["--wait"] if wait else []
-    command += [str(TEMPLATE), f"--workdir={workdir}", *flags]
+    command += [str(TEMPLATE), f"--workdir={workdir}", *train_flags]
     run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     job = run.stdout.strip().split(";")[0]
     return job, run.returncode
@@ -124,14 +91,6 @@ def _wait_for(condition, timeout: float, what: str) -> None:
         time.sleep(0.2)
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    """The uninterrupted single-process run."""
-    workdir = tmp_path_factory.mktemp("reference") / "run"
-    _train(workdir, _flags({**MODEL, **SAVED_PLAN}))
-    return workdir
-
-
 def _restored_params(checkpoints: Path, settings: dict):
     """The step-20 params restored into the layout of `settings` on the 8 test devices."""
     nested: dict[str, dict] = {}
@@ -147,16 +106,16 @@ def _restored_params(checkpoints: Path, settings: dict):
 
 
 def test_sbatch_job_matches_one_process_and_restores_under_another_plan(
-    cluster, reference, tmp_path
+    cluster, single_process_run, tmp_path
 ):
     workdir = tmp_path / "job"
-    _, status = _sbatch(cluster, workdir, _flags({**MODEL, **SAVED_PLAN}), wait=True)
+    _, status = _sbatch(cluster, workdir, flags({**MODEL, **SAVED_PLAN}), wait=True)
     log = Path(f"{workdir}.out").read_text()
     assert status == 0, log[-3000:]
     assert "2 tasks" in log
-    got, want = _losses(workdir), _losses(reference)
+    got, want = losses(workdir), losses(single_process_run)
     assert sorted(got) == list(range(1, STEPS + 1))
-    np.testing.assert_allclose([got[s] for s in want], list(want.values()), rtol=1e-5)
+    np.testing.assert_allclose(list(got.values()), [want[s] for s in got], rtol=1e-5)
 
     # Saved by 2 processes under sp+ep_ag (8 devices); restored by 1 under tp+etp (4 x data 2).
     fresh, saved_plan = _restored_params(workdir / "checkpoints", SAVED_PLAN)
@@ -170,23 +129,22 @@ def test_sbatch_job_matches_one_process_and_restores_under_another_plan(
         assert not np.array_equal(np.asarray(init), np.asarray(a))  # trained, not fresh
     assert moved >= len(leaves[0]) // 2  # most weights are laid out differently
 
-    # One process continues both runs under the other plan: the same next losses.
-    more = _flags({**MODEL, **OTHER_PLAN}, steps=STEPS + 3)
-    _train(workdir, more)
-    _train(reference, more)
-    got, want = _losses(workdir), _losses(reference)
-    after = range(STEPS + 1, STEPS + 4)
+    # One process continues the job under the other plan, as the uninterrupted run went on.
+    train(workdir, flags({**MODEL, **OTHER_PLAN}, steps=STEPS + MORE_STEPS))
+    got = losses(workdir)
+    after = range(STEPS + 1, STEPS + MORE_STEPS + 1)
+    assert sorted(got) == list(range(1, STEPS + MORE_STEPS + 1))
     np.testing.assert_allclose([got[s] for s in after], [want[s] for s in after], rtol=1e-5)
 
 
 def test_sigterm_saves_requeues_and_finishes_like_an_uninterrupted_run(
-    cluster, reference, tmp_path
+    cluster, single_process_run, tmp_path
 ):
     workdir = tmp_path / "job"
-    flags = _flags({**MODEL, **SAVED_PLAN, "train.checkpoint_every": 0})
-    job, status = _sbatch(cluster, workdir, flags, wait=False)
+    train_flags = flags({**MODEL, **SAVED_PLAN, "train.checkpoint_every": 0})
+    job, status = _sbatch(cluster, workdir, train_flags, wait=False)
     assert status == 0 and job
-    _wait_for(lambda: len(_losses(workdir)) >= 3 if workdir.exists() else False, 600, "step 3")
+    _wait_for(lambda: len(losses(workdir)) >= 3 if workdir.exists() else False, 600, "step 3")
     signal = subprocess.run(["scancel", "--signal=TERM", job], env=cluster, timeout=60)
     assert signal.returncode == 0
 
@@ -212,5 +170,5 @@ def test_sigterm_saves_requeues_and_finishes_like_an_uninterrupted_run(
     assert f"resumed from {workdir / 'checkpoints' / str(stopped)}" in log
     assert "requeueing job" in log
     assert (workdir / "checkpoints" / str(stopped)).is_dir()
-    final = _losses(workdir)[STEPS]
-    np.testing.assert_allclose(final, _losses(reference)[STEPS], rtol=1e-5)
+    final = losses(workdir)[STEPS]
+    np.testing.assert_allclose(final, losses(single_process_run)[STEPS], rtol=1e-5)
