@@ -13,22 +13,14 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from moe_jax.config import Config, load, to_config_dict
+from moe_jax.config import Config
 from moe_jax.data import corpus, pipeline, prepare, token_files
 from moe_jax.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from tests.settings import make_config
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 TEXT = "Grüße, naïve café — 日本語のテキスト 🙂\nline two\ttab\n"
 WORDS = ["alpha", "beta", "gamma", "delta", "expert", "router", "token", "shard", "mesh"]
-
-
-def make_config(overrides: dict | None = None) -> Config:
-    """The default config with "section.name" overrides, validated by config.load."""
-    raw = to_config_dict(Config()).to_dict()
-    for key, value in (overrides or {}).items():
-        section, name = key.split(".")
-        raw[section][name] = value
-    return load(raw)
 
 
 def run_prepare(*args: str) -> subprocess.CompletedProcess:

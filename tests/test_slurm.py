@@ -25,11 +25,11 @@ import jax
 import numpy as np
 import pytest
 
-from moe_jax import config as config_lib
 from moe_jax.checkpoint import Checkpointer
 from moe_jax.parallel import mesh as mesh_lib
 from moe_jax.train_step import init_state
 from tests.multihost import MODEL, MORE_STEPS, ROOT, SAVED_PLAN, STEPS, flags, losses, train
+from tests.settings import make_config
 
 pytestmark = pytest.mark.slurm
 
@@ -93,11 +93,8 @@ def _wait_for(condition, timeout: float, what: str) -> None:
 
 def _restored_params(checkpoints: Path, settings: dict):
     """The step-20 params restored into the layout of `settings` on the 8 test devices."""
-    nested: dict[str, dict] = {}
-    for key, value in {**MODEL, **settings, "train.steps": STEPS}.items():
-        section, name = key.split(".")
-        nested.setdefault(section, {})[name] = value
-    config = mesh_lib.resolve(config_lib.load(nested), jax.device_count())
+    config = make_config({**MODEL, **settings, "train.steps": STEPS})
+    config = mesh_lib.resolve(config, jax.device_count())
     layout = mesh_lib.make_layout(config, mesh_lib.make_mesh(config))
     _, state = init_state(config, layout)
     state = jax.device_put(state, mesh_lib.train_state_shardings(state, layout, 0))

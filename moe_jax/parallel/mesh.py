@@ -33,6 +33,7 @@ from moe_jax.parallel.layout import (
 from moe_jax.parallel.ragged_exchange import ragged_alltoall_moe
 from moe_jax.parallel.tensor_parallel import tp_attention, tp_mlp
 from moe_jax.parallel.ulysses import ulysses_attention
+from moe_jax.plan import hardware
 
 ALL = (DATA, *INTRA)
 ATTENTION = {
@@ -69,7 +70,8 @@ def _planner_gpu(config: Config) -> str:
     if config.parallel.gpu:
         return config.parallel.gpu
     kind = jax.devices()[0].device_kind.lower()
-    for name in ("h800", "h100", "h200", "h20", "a100"):
+    # Longest names first: an "H200" must not read as "h20".
+    for name in sorted(hardware.GPUS, key=len, reverse=True):
         if name in kind:
             return name
     return "h800"
