@@ -9,8 +9,8 @@ the op). XLA:CPU does not implement `ragged_all_to_all`: on CPU the ragged
 path is only lowered (so its program is known to build) and everything else
 runs.
 
-1. Correctness: loss and gradients of `ragged_alltoall_moe` against
-   `alltoall_moe` (padded) for a 2-layer MoE transformer (embed 256, 8 experts
+1. Correctness: loss and gradients of the ragged dispatcher against
+   the padded `ep_a2a` one for a 2-layer MoE transformer (embed 256, 8 experts
    top-2, batch 8, seq 512) in float32 and bfloat16, and for the MoE block
    alone with balanced routing, every token sent to experts 0 and 1 (the
    receive bound reached), and capacity drops. The padded layout is also
@@ -37,7 +37,7 @@ from moe_jax.moe.block import MoEParams, RouterBias, moe_forward
 from moe_jax.moe.experts import ExpertWeights
 from moe_jax.parallel import mesh as mesh_lib
 from moe_jax.parallel.layout import SINGLE_DEVICE
-from moe_jax.parallel.ragged_exchange import ragged_alltoall_moe
+from moe_jax.parallel.ragged_exchange import EP_A2A_RAGGED
 from moe_jax.train_step import loss_fn
 
 DTYPES = ("float32", "bfloat16")
@@ -130,7 +130,7 @@ def max_rel_error(got, want) -> float:
 def layouts(config: Config) -> dict:
     """The padded layout and the same layout with the ragged exchange."""
     padded = mesh_lib.make_layout(config, mesh_lib.make_mesh(config))
-    return {"padded": padded, "ragged": dataclasses.replace(padded, moe_fn=ragged_alltoall_moe)}
+    return {"padded": padded, "ragged": dataclasses.replace(padded, expert_spec=EP_A2A_RAGGED)}
 
 
 def tolerance(key: str) -> float:

@@ -161,8 +161,6 @@ SECTIONS = {
 }
 DATA_SOURCES = ("stdlib", "tokens", "synthetic")
 SCHEDULES = ("cosine", "linear")
-ATTENTION_LAYOUTS = ("dp", "fsdp", "tp", "sp")
-EXPERT_LAYOUTS = ("ep_ag", "ep_a2a", "ep_a2a_ragged", "etp", "ep_etp", "auto")
 
 
 def to_config_dict(config: Config) -> ml_collections.ConfigDict:
@@ -316,23 +314,26 @@ def validate(config: Config) -> None:
         "data.source='tokens' needs the directory written by moe_jax.data.prepare",
     )
     _check(0 < d.val_fraction < 1, "data.val_fraction", d.val_fraction, "must be in (0, 1)")
-    p = config.parallel
+    _validate_parallel(config.parallel)
+    profile_steps(config.profile)
+
+
+def _validate_parallel(p: ParallelConfig) -> None:
+    """Layout names come from the layout registry and GPU names from the planner's
+    presets (imported here: both modules import this one)."""
+    from moe_jax.parallel.registry import ATTENTION, EXPERTS
+    from moe_jax.plan.hardware import GPUS
+
+    attention, experts, gpus = tuple(ATTENTION), (*EXPERTS, "auto"), ("", *GPUS)
     _positive(p, "parallel", "intra")
     _check(p.data >= 0, "parallel.data", p.data, "must be >= 0 (0 uses every device)")
-    _check(
-        p.attention in ATTENTION_LAYOUTS,
-        "parallel.attention",
-        p.attention,
-        f"valid: {ATTENTION_LAYOUTS}",
-    )
-    _check(p.experts in EXPERT_LAYOUTS, "parallel.experts", p.experts, f"valid: {EXPERT_LAYOUTS}")
+    _check(p.attention in attention, "parallel.attention", p.attention, f"valid: {attention}")
+    _check(p.experts in experts, "parallel.experts", p.experts, f"valid: {experts}")
     _positive(p, "parallel", "etp")
     _check(p.layout in ("manual", "auto"), "parallel.layout", p.layout, "valid: manual or auto")
-    gpus = ("", "h800", "h100", "h200", "a100", "h20")
     _check(p.gpu.lower() in gpus, "parallel.gpu", p.gpu, f"valid: {gpus}")
     _check(p.zero in (0, 1), "parallel.zero", p.zero, "valid: 0 or 1 (fsdp covers weights)")
     _check(p.ag_threshold > 0, "parallel.ag_threshold", p.ag_threshold, "must be > 0")
-    profile_steps(config.profile)
 
 
 def profile_steps(profile: ProfileConfig) -> tuple[int, int] | None:

@@ -23,6 +23,7 @@ from moe_jax.checkpoint import Checkpointer
 from moe_jax.data import pipeline
 from moe_jax.metrics import MetricsLogger
 from moe_jax.parallel import mesh as mesh_lib
+from moe_jax.plan.resolve import check_plan
 from moe_jax.plots import plot_run
 from moe_jax.preemption import StopRequest
 from moe_jax.train_step import eval_step, init_state, train_step
@@ -77,14 +78,13 @@ def run(config: config_lib.Config, workdir: str | Path) -> dict[str, Any]:
     checkpoints = Checkpointer(workdir / "checkpoints", tc.keep_checkpoints)
     try:
         chose = config.parallel.layout == "auto"
-        config = mesh_lib.resolve(config, jax.device_count())
+        config = check_plan(config, jax.device_count())
         if chose:
             p = config.parallel
             say(
                 f"planner chose attention={p.attention} experts={p.experts} intra={p.intra} "
                 f"data={p.data} zero={p.zero}"
             )
-        mesh_lib.check_plan(config, jax.device_count())
         mesh = mesh_lib.make_mesh(config)
         layout = mesh_lib.make_layout(config, mesh)
         sharding = mesh_lib.batch_sharding(layout)

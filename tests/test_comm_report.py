@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from moe_jax import config as config_lib
 from moe_jax.config import Config, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
-from moe_jax.parallel import comm_volume
+from moe_jax.plan import comm_volume
 from moe_jax.tools import comm_report, hlo_collectives
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,6 +15,7 @@ from moe_jax.config import Config, ModelConfig, MoEConfig, ParallelConfig, Train
 from moe_jax.model.transformer import Transformer
 from moe_jax.moe.block import RouterBias
 from moe_jax.parallel import mesh as mesh_lib
+from moe_jax.plan.resolve import check_plan, resolve
 from moe_jax.tools import hlo_collectives
 from moe_jax.train_step import loss_fn
 
@@ -75,7 +76,7 @@ def test_layout_matches_single_device(
     single_device, attention: str, experts: str, data: int, intra: int
 ):
     config = _with_plan(attention, data, intra, experts)
-    mesh_lib.check_plan(config, jax.device_count())
+    config = check_plan(config, jax.device_count())
     mesh = mesh_lib.make_mesh(config)
     loss, metrics, grads, _ = _loss_and_grads(config, mesh_lib.make_layout(config, mesh))
     ref_loss, ref_metrics, ref_grads, _ = single_device
@@ -184,7 +185,7 @@ def test_compiled_collectives_follow_the_plan():
 def test_plans_that_do_not_fit_are_rejected(changes: dict, setting: str):
     config = dataclasses.replace(BASE, **changes)
     with pytest.raises(ValueError, match=setting) as error:
-        mesh_lib.check_plan(config, 8)
+        check_plan(config, 8)
     assert "\n" not in str(error.value)
 
 
@@ -222,7 +223,7 @@ def test_auto_expert_layout_follows_the_papers_rule(top_k: int, intra: int, expe
         moe=dataclasses.replace(BASE.moe, top_k=top_k),
         parallel=ParallelConfig(experts="auto", intra=intra),
     )
-    resolved = mesh_lib.resolve(config, 8)
+    resolved = resolve(config, 8)
     assert resolved.parallel.experts == expected
     assert resolved.parallel.data == 8 // intra
 

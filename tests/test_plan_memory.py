@@ -33,6 +33,7 @@ from moe_jax.config import Config, ModelConfig, MoEConfig, ParallelConfig, Train
 from moe_jax.model.transformer import Transformer
 from moe_jax.moe.block import RouterBias
 from moe_jax.parallel import mesh as mesh_lib
+from moe_jax.plan.resolve import check_plan
 from moe_jax.plan import memory, param_traffic
 from moe_jax.tools import comm_report
 from moe_jax.train_step import init_state, loss_fn
@@ -66,8 +67,7 @@ def _plan(base: Config, attention: str, experts: str, data=2, intra=4, zero=0, *
     config = dataclasses.replace(
         base, model=dataclasses.replace(base.model, **model), parallel=parallel
     )
-    mesh_lib.check_plan(config, jax.device_count())
-    return mesh_lib.resolve(config, jax.device_count())
+    return check_plan(config, jax.device_count())
 
 
 @functools.cache

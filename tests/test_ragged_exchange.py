@@ -24,10 +24,12 @@ from moe_jax.moe.block import MoEParams, moe_forward
 from moe_jax.moe.experts import ExpertWeights
 from moe_jax.moe.routing import Routing
 from moe_jax.parallel import mesh as mesh_lib
-from moe_jax.parallel.expert_parallel import alltoall_moe
+from moe_jax.parallel import registry
+from moe_jax.plan.resolve import check_plan
+from moe_jax.parallel.expert_parallel import EP_A2A
 from moe_jax.parallel.ragged_exchange import (
+    EP_A2A_RAGGED,
     NAME,
-    ragged_alltoall_moe,
     receive_bound,
     received_experts,
     send_header,
@@ -44,7 +46,7 @@ EXCHANGES = [
 
 
 def test_name_is_not_taken():
-    assert NAME not in mesh_lib.EXPERTS or mesh_lib.EXPERTS[NAME] is ragged_alltoall_moe
+    assert NAME not in registry.EXPERTS or registry.EXPERTS[NAME] is EP_A2A_RAGGED
 
 
 def test_send_header_by_hand():
@@ -185,11 +187,11 @@ def exchange(request, monkeypatch):
     return request.param
 
 
-def _layout(data: int, intra: int, moe_fn=ragged_alltoall_moe, attention: str = "dp"):
+def _layout(data: int, intra: int, spec=EP_A2A_RAGGED, attention: str = "dp"):
     config = _with_plan(attention, data, intra, "ep_a2a")
-    mesh_lib.check_plan(config, jax.device_count())
+    config = check_plan(config, jax.device_count())
     layout = mesh_lib.make_layout(config, mesh_lib.make_mesh(config))
-    return config, dataclasses.replace(layout, moe_fn=moe_fn)
+    return config, dataclasses.replace(layout, expert_spec=spec)
 
 
 @pytest.fixture(scope="module")
@@ -257,7 +259,7 @@ BLOCK_CASES = {
 @pytest.mark.parametrize("case", BLOCK_CASES)
 @pytest.mark.parametrize("data,intra", BLOCK_MESHES)
 def test_matches_padded_exchange(exchange, case: str, data: int, intra: int):
-    """Outputs, router stats and gradients equal `alltoall_moe`'s, worst-case routing
+    """Outputs, router stats and gradients equal the padded `ep_a2a`'s, worst-case routing
     (every token to experts 0 and 1: their owners' receive buffers full) and capacity
     drops included."""
     capacity_factor, skew = BLOCK_CASES[case]
@@ -265,7 +267,7 @@ def test_matches_padded_exchange(exchange, case: str, data: int, intra: int):
     params = _moe_params(cfg, 32, jnp.zeros(8).at[:2].set(skew))
     x = jax.random.normal(jax.random.key(4), (8, 16, 32))
     _, ragged = _layout(data, intra)
-    padded = dataclasses.replace(ragged, moe_fn=alltoall_moe)
+    padded = dataclasses.replace(ragged, expert_spec=EP_A2A)
     got, want = _block_outputs(ragged, cfg, params, x), _block_outputs(padded, cfg, params, x)
     _assert_close(got, want)
 
@@ -276,7 +278,7 @@ def test_program_holds_ragged_exchanges():
     exchange's (a buffer typed as replicated would add some, summing cotangents over
     devices)."""
     config, ragged = _layout(2, 4)
-    padded = dataclasses.replace(ragged, moe_fn=alltoall_moe)
+    padded = dataclasses.replace(ragged, expert_spec=EP_A2A)
     cfg = config.moe
     params = _moe_params(cfg, config.model.embed_dim, jnp.zeros(cfg.num_experts))
     x = jax.ShapeDtypeStruct((8, 16, config.model.embed_dim), jnp.float32)

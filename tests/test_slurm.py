@@ -27,6 +27,7 @@ import pytest
 
 from moe_jax.checkpoint import Checkpointer
 from moe_jax.parallel import mesh as mesh_lib
+from moe_jax.plan.resolve import resolve
 from moe_jax.train_step import init_state
 from tests.multihost import MODEL, MORE_STEPS, ROOT, SAVED_PLAN, STEPS, flags, losses, train
 from tests.settings import make_config
@@ -94,7 +95,7 @@ def _wait_for(condition, timeout: float, what: str) -> None:
 def _restored_params(checkpoints: Path, settings: dict):
     """The step-20 params restored into the layout of `settings` on the 8 test devices."""
     config = make_config({**MODEL, **settings, "train.steps": STEPS})
-    config = mesh_lib.resolve(config, jax.device_count())
+    config = resolve(config, jax.device_count())
     layout = mesh_lib.make_layout(config, mesh_lib.make_mesh(config))
     _, state = init_state(config, layout)
     state = jax.device_put(state, mesh_lib.train_state_shardings(state, layout, 0))

@@ -40,8 +40,11 @@ def attention_block(
 ) -> jax.Array:
     """Project, rotate, `attend` ([b, s, heads, head_dim] q/k/v -> like q), project out.
 
-    Works on whatever heads `w` holds, so a layout can hand it a head shard.
+    Works on whatever heads `w` holds, so a layout can hand it a head shard. Weights
+    arrive as stored (float32) and are cast here, inside the layout, so that their
+    gradients are reduced in float32.
     """
+    w = jax.tree.map(lambda a: a.astype(x.dtype), w)
     q = rotary(jnp.einsum("bsd,dhk->bshk", x, w.query), positions, theta)
     k = rotary(jnp.einsum("bsd,dhk->bshk", x, w.key), positions, theta)
     v = jnp.einsum("bsd,dhk->bshk", x, w.value)
@@ -62,6 +65,6 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         params = (self.query, self.key, self.value, self.out)
-        w = AttentionWeights(*(p[...].astype(x.dtype) for p in params))
+        w = AttentionWeights(*(p[...] for p in params))
         block = partial(attention_block, theta=self.rope_theta)
         return self.layout.attention(block, x, positions, w, AXES)

@@ -2,8 +2,9 @@
 
 Model code names axes only logically ('batch', 'seq', 'embed', 'heads',
 'kv_heads', 'head_dim', 'mlp', 'experts', 'vocab', 'layers'). How those map
-onto mesh axes is decided in `moe_jax.parallel` by logical axis rules; with no
-rules active (one device) every annotation is a no-op.
+onto mesh axes is decided in `moe_jax.parallel`: parameters by the layout's
+`param_rules`, activations between blocks by `Layout.constrain` ('batch' and
+'seq' to where the attention layout splits them).
 """
 
 from __future__ import annotations
@@ -13,14 +14,9 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-from flax import linen, nnx
+from flax import nnx
 
 AxisNames = tuple[str | None, ...]
-
-
-def constrain(x: jax.Array, names: AxisNames) -> jax.Array:
-    """Annotates an activation with logical axes (no-op without active rules)."""
-    return linen.with_logical_constraint(x, names)
 
 
 def param(

@@ -62,7 +62,9 @@ MLP_AXES = MLPWeights(gate=("embed", "mlp"), up=("embed", "mlp"), down=("mlp", "
 
 
 def mlp_block(x: jax.Array, w: MLPWeights) -> jax.Array:
-    """SwiGLU on whatever hidden columns `w` holds (a layout may hand it a shard)."""
+    """SwiGLU on whatever hidden columns `w` holds (a layout may hand it a shard); the
+    float32 weights are cast to the compute dtype here, inside the layout."""
+    w = jax.tree.map(lambda a: a.astype(x.dtype), w)
     return (jax.nn.silu(x @ w.gate) * (x @ w.up)) @ w.down
 
 
@@ -76,5 +78,5 @@ class MLP(nnx.Module):
         self.layout = layout
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        w = MLPWeights(*(p[...].astype(x.dtype) for p in (self.gate, self.up, self.down)))
+        w = MLPWeights(*(p[...] for p in (self.gate, self.up, self.down)))
         return self.layout.mlp(mlp_block, x, w, MLP_AXES)

@@ -14,7 +14,7 @@ from flax import nnx
 
 from moe_jax.config import ModelConfig, MoEConfig
 from moe_jax.model.attention import Attention
-from moe_jax.model.axes import constrain, param
+from moe_jax.model.axes import param
 from moe_jax.model.layers import MLP, Embed, RMSNorm
 from moe_jax.moe.block import MoE, MoEStats
 from moe_jax.parallel.layout import SINGLE_DEVICE, Layout
@@ -27,6 +27,7 @@ class Block(nnx.Module):
         self.attn_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
         self.attn = Attention(cfg, rngs=rngs, layout=layout)
         self.ffn_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
+        self.layout = layout
         if moe is None:
             self.ffn = MLP(cfg.embed_dim, cfg.mlp_dim, rngs=rngs, layout=layout)
         else:
@@ -34,12 +35,12 @@ class Block(nnx.Module):
 
     def __call__(self, x: jax.Array, positions: jax.Array):
         x = x + self.attn(self.attn_norm(x), positions)
-        x = constrain(x, ("batch", "seq", "embed"))
+        x = self.layout.constrain(x, ("batch", "seq", "embed"))
         out = self.ffn(self.ffn_norm(x))
         stats = None
         if isinstance(out, tuple):
             out, stats = out
-        return constrain(x + out, ("batch", "seq", "embed")), stats
+        return self.layout.constrain(x + out, ("batch", "seq", "embed")), stats
 
 
 class Unit(nnx.Module):
@@ -89,6 +90,7 @@ class Transformer(nnx.Module):
         self, cfg: ModelConfig, moe: MoEConfig, *, rngs: nnx.Rngs, layout: Layout = SINGLE_DEVICE
     ):
         self.cfg = cfg
+        self.layout = layout
         self.embed = Embed(cfg.vocab_size, cfg.embed_dim, rngs=rngs)
         self.dense = (
             Stack(cfg, None, 1, cfg.first_k_dense, rngs=rngs, layout=layout)
@@ -110,7 +112,7 @@ class Transformer(nnx.Module):
     def __call__(self, tokens: jax.Array) -> tuple[jax.Array, MoEStats | None]:
         dtype = jnp.dtype(self.cfg.dtype)
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-        x = constrain(self.embed(tokens, dtype), ("batch", "seq", "embed"))
+        x = self.layout.constrain(self.embed(tokens, dtype), ("batch", "seq", "embed"))
         stats = None
         if self.dense is not None:
             x, _ = self.dense(x, positions)
@@ -122,4 +124,4 @@ class Transformer(nnx.Module):
         else:
             head = self.head[...].astype(dtype)
             logits = jnp.einsum("bsd,dv->bsv", x, head, preferred_element_type=jnp.float32)
-        return constrain(logits, ("batch", "seq", "vocab")), stats
+        return self.layout.constrain(logits, ("batch", "seq", "vocab")), stats

@@ -1,9 +1,9 @@
 """The MoE feed-forward block: route -> dispatch -> expert compute -> combine.
 
 Each step is a replaceable function (`routing.route`, `experts.IMPLS[...]`,
-which use `dispatch`); `moe_forward` wires them for one group of tokens and a
-contiguous range of experts, and the block's `Layout` decides where that runs
-(one device, or inside an expert-parallel collective in `moe_jax.parallel`).
+which use `dispatch`); `moe_forward` wires them once for every layout, and the
+block's `Layout` decides where it runs and with which token dispatcher (one
+device, or inside an expert-parallel exchange in `moe_jax.parallel`).
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moe_jax.config import MoEConfig
-from moe_jax.model.axes import constrain, param
+from moe_jax.model.axes import param
 from moe_jax.model.layers import MLP
 from moe_jax.moe import experts, losses
-from moe_jax.moe.routing import Routing, route
+from moe_jax.moe.dispatcher import TokenDispatcher
+from moe_jax.moe.routing import route
 from moe_jax.parallel.layout import SINGLE_DEVICE, Layout
 
 
@@ -47,36 +48,27 @@ class MoEStats:
 class MoEParams:
     router: jax.Array  # [d, E]
     bias: jax.Array  # [E]
-    experts: experts.ExpertWeights  # [E_local, ...]: this device's experts
-
-
-def _only_experts(routing: Routing, first: int, count: int) -> Routing:
-    """The assignments to experts [first, first + count), renumbered from zero."""
-    local = routing.expert_index - first
-    mine = routing.keep & (local >= 0) & (local < count)
-    return dataclasses.replace(
-        routing,
-        expert_index=jnp.where(mine, local, 0),
-        weights=jnp.where(mine, routing.weights, 0.0),
-        keep=mine,
-    )
+    experts: experts.ExpertWeights  # [E_local, ...]: this device's experts, float32
 
 
 def moe_forward(
-    tokens: jax.Array, params: MoEParams, cfg: MoEConfig, batch: int, first_expert=0
+    x: jax.Array, params: MoEParams, cfg: MoEConfig, dispatcher: TokenDispatcher
 ) -> tuple[jax.Array, losses.RouterStats]:
-    """Routed experts for `tokens` [T, d] from `batch` whole sequences.
-
-    Computes only the experts present in `params.experts` (numbered from
-    `first_expert`); the caller sums the partial outputs of all expert owners.
-    """
+    """Routed experts for `x` [b, s, d] (whole sequences, or this device's part of them),
+    the same for every layout: `dispatcher` moves the tokens (see
+    `moe_jax.moe.dispatcher`). Returns the output like `x` and the router statistics
+    of the whole batch."""
+    group = dispatcher.gather(x)
+    batch, seq, dim = group.shape
+    tokens = group.reshape(batch * seq, dim)
     routing = route(tokens, params.router, params.bias, cfg)
-    local = params.experts.gate.shape[0]
-    compute_cfg = dataclasses.replace(cfg, num_experts=local)
-    impl = experts.IMPLS[experts.resolve_impl(compute_cfg)]
-    y = impl(tokens, _only_experts(routing, first_expert, local), params.experts, compute_cfg)
-    stats = losses.router_stats(routing, batch)
-    return y, stats
+    sent = dispatcher.dispatch(tokens, routing)
+    out = experts.compute(
+        sent.rows, sent.routing, params.experts, dispatcher.compute_cfg, sent.slots
+    )
+    y = dispatcher.combine(out, sent).reshape(group.shape)
+    stats = dispatcher.reduce(losses.router_stats(routing, batch))
+    return dispatcher.scatter(y), stats
 
 
 class MoE(nnx.Module):
@@ -95,11 +87,8 @@ class MoE(nnx.Module):
         self.shared = MLP(dim, shared, rngs=rngs, layout=layout) if shared else None
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, MoEStats]:
-        dtype = x.dtype
-        weights = experts.ExpertWeights(
-            self.gate[...].astype(dtype), self.up[...].astype(dtype), self.down[...].astype(dtype)
-        )
-        params = MoEParams(self.router[...], self.bias[...], weights)
+        weights = experts.ExpertWeights(self.gate[...], self.up[...], self.down[...])
+        params = MoEParams(self.router[...], self.bias[...], weights)  # float32, as stored
         y, router_stats = self.layout.moe(moe_forward, x, params, self.cfg)
         if self.shared is not None:
             y = y + self.shared(x)
@@ -110,4 +99,4 @@ class MoE(nnx.Module):
             load=router_stats.load.astype(jnp.float32),
             dropped_fraction=router_stats.dropped_fraction,
         )
-        return constrain(y, ("batch", "seq", "embed")), stats
+        return self.layout.constrain(y, ("batch", "seq", "embed")), stats

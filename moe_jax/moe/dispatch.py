@@ -1,6 +1,6 @@
 """Dispatch and combine: move token copies into an expert-ordered buffer and back.
 
-A `Layout` says which buffer row each (token, choice) assignment occupies and
+A `RowMap` says which buffer row each (token, choice) assignment occupies and
 which token feeds each row. Dispatch is then one gather and combine one
 weighted gather, with static shapes whatever the routing:
 
@@ -9,8 +9,8 @@ weighted gather, with static shapes whatever the routing:
 * `capacity_layout`: a fixed bucket of `capacity` rows per expert, `[E, C]`,
   filled in priority order; assignments past capacity were dropped by routing.
 
-Expert-parallel dispatchers (later) exchange these buffers between devices
-without changing the router or the expert computation.
+Expert-parallel token dispatchers (`moe_jax.moe.dispatcher`) exchange these
+buffers between devices without changing the router or the expert computation.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from moe_jax.moe.routing import Routing, capacity_keep
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class RowMap:
     row: jax.Array  # [T, k] buffer row of each assignment; num_rows where dropped
     source: jax.Array  # [R] token feeding each row; T marks an empty (zero) row
     group_sizes: jax.Array  # [E] rows owned by each expert (padding included)
@@ -37,7 +37,7 @@ def _round_up(x, multiple):
     return (x + multiple - 1) // multiple * multiple
 
 
-def sorted_layout(routing: Routing, num_experts: int, tile: int = 1) -> Layout:
+def sorted_layout(routing: Routing, num_experts: int, tile: int = 1) -> RowMap:
     """Rows grouped by expert in expert order, each group padded to `tile` rows."""
     num_tokens, k = routing.expert_index.shape
     assignments = num_tokens * k
@@ -58,7 +58,7 @@ def sorted_layout(routing: Routing, num_experts: int, tile: int = 1) -> Layout:
     source = jnp.full(num_rows, num_tokens, jnp.int32).at[row].set(token, mode="drop")
     tiles = jnp.arange(num_rows // tile)
     tile_expert = jnp.searchsorted(padded_ends // tile, tiles, side="right")
-    return Layout(
+    return RowMap(
         row=row.reshape(num_tokens, k),
         source=source,
         group_sizes=padded.astype(jnp.int32),
@@ -67,7 +67,7 @@ def sorted_layout(routing: Routing, num_experts: int, tile: int = 1) -> Layout:
     )
 
 
-def capacity_layout(routing: Routing, num_experts: int, capacity: int) -> Layout:
+def capacity_layout(routing: Routing, num_experts: int, capacity: int) -> RowMap:
     """A `[num_experts, capacity]` bucket per expert, best-weighted assignments first."""
     num_tokens = routing.expert_index.shape[0]
     num_rows = num_experts * capacity
@@ -76,7 +76,7 @@ def capacity_layout(routing: Routing, num_experts: int, capacity: int) -> Layout
     token = jnp.broadcast_to(jnp.arange(num_tokens, dtype=jnp.int32)[:, None], row.shape)
     source = jnp.full(num_rows, num_tokens, jnp.int32)
     source = source.at[row.reshape(-1)].set(token.reshape(-1), mode="drop")
-    return Layout(
+    return RowMap(
         row=row.astype(jnp.int32),
         source=source,
         group_sizes=jnp.full(num_experts, capacity, jnp.int32),
@@ -85,16 +85,16 @@ def capacity_layout(routing: Routing, num_experts: int, capacity: int) -> Layout
     )
 
 
-def dispatch(x: jax.Array, layout: Layout) -> jax.Array:
+def dispatch(x: jax.Array, rows: RowMap) -> jax.Array:
     """Token rows [T, d] -> expert-ordered buffer [R, d] (empty rows are zero)."""
     padded = jnp.concatenate([x, jnp.zeros((1, x.shape[-1]), x.dtype)])
-    return padded[layout.source]
+    return padded[rows.source]
 
 
-def combine(y: jax.Array, layout: Layout, routing: Routing) -> jax.Array:
+def combine(y: jax.Array, rows: RowMap, routing: Routing) -> jax.Array:
     """Buffer [R, d] -> tokens [T, d]: the routing-weighted sum of each token's rows."""
     padded = jnp.concatenate([y, jnp.zeros((1, y.shape[-1]), y.dtype)])
-    rows = padded[layout.row]  # [T, k, d]; dropped assignments read the zero row
+    picked = padded[rows.row]  # [T, k, d]; dropped assignments read the zero row
     weights = routing.weights.astype(y.dtype)
-    out = jnp.einsum("tk,tkd->td", weights, rows, preferred_element_type=jnp.float32)
+    out = jnp.einsum("tk,tkd->td", weights, picked, preferred_element_type=jnp.float32)
     return out.astype(y.dtype)

@@ -44,26 +44,30 @@ def _swiglu(x: jax.Array, w: ExpertWeights, gmm: Gmm) -> jax.Array:
 def tiled(x: jax.Array, routing: Routing, w: ExpertWeights, cfg: MoEConfig) -> jax.Array:
     """Sorted, tile-padded rows and a loop of per-tile matmuls (fast on CPU)."""
     tile = cfg.tile(x.shape[0])
-    layout = dsp.sorted_layout(routing, cfg.num_experts, tile)
-    gmm = lambda rows, weight: tiled_gmm(rows, weight, layout.tile_expert, layout.num_tiles, tile)
-    return dsp.combine(_swiglu(dsp.dispatch(x, layout), w, gmm), layout, routing)
+    rows = dsp.sorted_layout(routing, cfg.num_experts, tile)
+    gmm = lambda r, weight: tiled_gmm(r, weight, rows.tile_expert, rows.num_tiles, tile)
+    return dsp.combine(_swiglu(dsp.dispatch(x, rows), w, gmm), rows, routing)
 
 
 def ragged_dot(x: jax.Array, routing: Routing, w: ExpertWeights, cfg: MoEConfig) -> jax.Array:
     """Sorted rows and XLA's `ragged_dot` (the GPU/TPU path)."""
-    layout = dsp.sorted_layout(routing, cfg.num_experts)
-    gmm = lambda rows, weight: ragged_gmm(rows, weight, layout.group_sizes)
-    return dsp.combine(_swiglu(dsp.dispatch(x, layout), w, gmm), layout, routing)
+    rows = dsp.sorted_layout(routing, cfg.num_experts)
+    gmm = lambda r, weight: ragged_gmm(r, weight, rows.group_sizes)
+    return dsp.combine(_swiglu(dsp.dispatch(x, rows), w, gmm), rows, routing)
 
 
-def capacity(x: jax.Array, routing: Routing, w: ExpertWeights, cfg: MoEConfig) -> jax.Array:
-    """Fixed `[E, C, d]` buckets and one batched matmul per projection."""
-    slots = cfg.capacity(x.shape[0])
-    layout = dsp.capacity_layout(routing, cfg.num_experts, slots)
-    buckets = dsp.dispatch(x, layout).reshape(cfg.num_experts, slots, -1)
-    gmm = lambda rows, weight: jnp.einsum("ecd,edf->ecf", rows, weight)
+def capacity(
+    x: jax.Array, routing: Routing, w: ExpertWeights, cfg: MoEConfig, slots: int | None = None
+) -> jax.Array:
+    """Fixed `[E, C, d]` buckets and one batched matmul per projection. C is
+    `cfg.capacity` of these tokens, or `slots` when the drops were decided over more
+    experts than the `cfg.num_experts` computed here (an expert-parallel group)."""
+    slots = slots or cfg.capacity(x.shape[0])
+    rows = dsp.capacity_layout(routing, cfg.num_experts, slots)
+    buckets = dsp.dispatch(x, rows).reshape(cfg.num_experts, slots, -1)
+    gmm = lambda r, weight: jnp.einsum("ecd,edf->ecf", r, weight)
     out = _swiglu(buckets, w, gmm).reshape(cfg.num_experts * slots, -1)
-    return dsp.combine(out, layout, routing)
+    return dsp.combine(out, rows, routing)
 
 
 def dense(x: jax.Array, routing: Routing, w: ExpertWeights, cfg: MoEConfig) -> jax.Array:
@@ -77,6 +81,19 @@ def dense(x: jax.Array, routing: Routing, w: ExpertWeights, cfg: MoEConfig) -> j
 
 
 IMPLS = {"tiled": tiled, "ragged_dot": ragged_dot, "capacity": capacity, "dense": dense}
+
+
+def compute(
+    x: jax.Array, routing: Routing, w: ExpertWeights, cfg: MoEConfig, slots: int | None = None
+) -> jax.Array:
+    """The expert output of `moe.impl` (weights cast to the rows' dtype here, inside any
+    layout, so that their gradients are reduced as stored: float32). `slots`: see
+    `capacity`; the dropless implementations need none."""
+    w = jax.tree.map(lambda a: a.astype(x.dtype), w)
+    name = resolve_impl(cfg)
+    if slots is not None and name == "capacity":
+        return capacity(x, routing, w, cfg, slots)
+    return IMPLS[name](x, routing, w, cfg)
 
 
 def resolve_impl(cfg: MoEConfig, platform: str | None = None) -> str:

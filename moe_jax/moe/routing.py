@@ -85,3 +85,16 @@ def route(x: jax.Array, kernel: jax.Array, bias: jax.Array, cfg: MoEConfig) -> R
 def expert_load(routing: Routing, num_experts: int) -> jax.Array:
     """Assignments each expert received from the router, before any drop [E]."""
     return jnp.bincount(routing.expert_index.reshape(-1), length=num_experts)
+
+
+def restrict(routing: Routing, first: int | jax.Array, count: int) -> Routing:
+    """The assignments to experts [first, first + count), renumbered from zero: what a
+    device holding those experts computes."""
+    local = routing.expert_index - first
+    mine = routing.keep & (local >= 0) & (local < count)
+    return dataclasses.replace(
+        routing,
+        expert_index=jnp.where(mine, local, 0),
+        weights=jnp.where(mine, routing.weights, 0.0),
+        keep=mine,
+    )

@@ -1,31 +1,36 @@
-"""Expert parallelism inside the intra group.
+"""Expert parallelism inside the intra group: the token dispatchers and their specs.
 
 Experts are split over the mesh's 'expert' axis and each expert's width over
 its 'tensor' axis: (n, 1) is plain expert parallelism (each device owns E/n
 whole experts), (1, n) expert tensor parallelism (every device holds all
-experts, 1/n of each one's width), anything between both.
+experts, 1/n of each one's width), anything between both. Every layout runs the
+one MoE forward (`moe_jax.moe.block.moe_forward`) inside one `shard_map`
+(`exchange_block`) with its own `TokenDispatcher`:
 
-`alltoall_moe` is the usual form: each device routes its own tokens, sends
-each assignment to the device owning its expert (all-to-all), the owners run
-their experts, and a second all-to-all brings the results back to be
-combined. Buffers have static shapes: per destination, room for every
+`AllToAllDispatcher` (`ep_a2a`) is the usual form: each device routes its own
+tokens, sends each assignment to the device owning its expert (all-to-all),
+the owners run their experts, and a second all-to-all brings the results back
+to be combined. Buffers have static shapes: per destination, room for every
 assignment of the device's tokens in dropless mode, or E/n experts times the
-per-device capacity in capacity mode (drops are decided per device, as in the
-paper).
+per-device capacity in capacity mode. Drops are decided per device, over the
+tokens it holds, as in the paper.
 
-`allgather_moe` is the paper's all-gather form of the token exchange: every
-device all-gathers the group's tokens, routes them all (the router is
+`AllGatherDispatcher` (`ep_ag`, `etp`, `ep_etp`) is the paper's all-gather form:
+every device all-gathers the group's tokens, routes them all (the router is
 replicated, so every device reaches the same decisions), runs only its own
 experts (or its slice of their width) on the tokens routed to them, and a
-reduce-scatter sums the partial outputs and returns each device its own
-tokens. It serves `ep_ag`, `etp` and `ep_etp` alike. Router statistics of
-the data-parallel groups are combined so that the losses equal those of the
-whole batch on one device.
+reduce-scatter sums the partial outputs and returns each device its own tokens.
+Drops are decided per intra group, over the gathered tokens, with the capacity
+of all E experts; each device computes its E/n experts' share of those slots.
+
+Router statistics of all devices are combined so that the losses equal those of
+the whole batch on one device.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from fractions import Fraction
 
 import jax
 import jax.numpy as jnp
@@ -33,32 +38,11 @@ from jax.sharding import PartitionSpec as P
 
 from moe_jax.moe import dispatch as dsp
 from moe_jax.moe import experts as expert_impls
-from moe_jax.moe.losses import router_stats
-from moe_jax.moe.routing import Routing, route
+from moe_jax.moe.dispatcher import Dispatched, TokenDispatcher
+from moe_jax.moe.losses import RouterStats
+from moe_jax.moe.routing import Routing, restrict
 from moe_jax.parallel.layout import DATA, EXPERT, INTRA, ROUTER_STATS, TOKEN_EXCHANGE
-
-
-def allgather_moe(layout, forward, x: jax.Array, params, cfg):
-    """x [b, s, d] split over the mesh as the attention layout left it."""
-    axis = 1 if EXPERT in layout.seq_axes else 0  # where the intra group splits tokens
-    local_experts = params.experts.gate.shape[0] // layout.size(EXPERT)
-
-    def body(x, params):
-        with jax.named_scope(TOKEN_EXCHANGE):
-            group = jax.lax.all_gather(x, INTRA, axis=axis, tiled=True)
-        batch, seq, dim = group.shape
-        first = jax.lax.axis_index(EXPERT) * local_experts
-        y, stats = forward(group.reshape(batch * seq, dim), params, cfg, batch, first)
-        with jax.named_scope(TOKEN_EXCHANGE):
-            y = jax.lax.psum_scatter(
-                y.reshape(group.shape), INTRA, scatter_dimension=axis, tiled=True
-            )
-        with jax.named_scope(ROUTER_STATS):
-            # Every intra device routed the same (gathered) tokens: they are copies.
-            stats = stats.combine(batch_axes=(DATA,), copy_axes=INTRA)
-        return y, stats
-
-    return run_block(layout, body, x, params)
+from moe_jax.parallel.spec import ExpertSpec, Sizes
 
 
 def block_specs(layout, params):
@@ -67,18 +51,55 @@ def block_specs(layout, params):
     return layout.activation_spec(), type(params)(P(), P(), experts)
 
 
-def _exchange(rows: jax.Array) -> jax.Array:
+def run_block(layout, body, x: jax.Array, params):
+    """`body(x, params) -> (y, stats)` per device, tokens as the attention layout left them."""
+    x_spec, param_spec = block_specs(layout, params)
+    return jax.shard_map(
+        body, mesh=layout.mesh, in_specs=(x_spec, param_spec), out_specs=(x_spec, P())
+    )(x, params)
+
+
+def exchange_block(layout, forward, x: jax.Array, params, cfg):
+    """The MoE forward with the layout's dispatcher, per device inside one `shard_map`."""
+    dispatcher = layout.expert_spec.dispatcher(cfg, layout)
+    return run_block(layout, lambda x, params: forward(x, params, cfg, dispatcher), x, params)
+
+
+class AllGatherDispatcher(TokenDispatcher):
+    """All-gather the group's tokens, compute the local experts, reduce-scatter."""
+
+    def __init__(self, cfg, layout):
+        super().__init__(cfg)
+        self.axis = 1 if EXPERT in layout.seq_axes else 0  # where the intra group splits tokens
+        self.local = cfg.num_experts // layout.size(EXPERT)
+
+    @property
+    def compute_cfg(self):
+        return dataclasses.replace(self.cfg, num_experts=self.local)
+
+    def gather(self, x: jax.Array) -> jax.Array:
+        with jax.named_scope(TOKEN_EXCHANGE):
+            return jax.lax.all_gather(x, INTRA, axis=self.axis, tiled=True)
+
+    def dispatch(self, tokens: jax.Array, routing: Routing) -> Dispatched:
+        first = jax.lax.axis_index(EXPERT) * self.local
+        slots = None if self.cfg.dropless else self.cfg.capacity(tokens.shape[0])
+        return Dispatched(tokens, restrict(routing, first, self.local), slots)
+
+    def scatter(self, y: jax.Array) -> jax.Array:
+        with jax.named_scope(TOKEN_EXCHANGE):
+            return jax.lax.psum_scatter(y, INTRA, scatter_dimension=self.axis, tiled=True)
+
+    def reduce(self, stats: RouterStats) -> RouterStats:
+        with jax.named_scope(ROUTER_STATS):
+            # Every intra device routed the same (gathered) tokens: they are copies.
+            return stats.combine(batch_axes=(DATA,), copy_axes=INTRA)
+
+
+def exchange(rows: jax.Array) -> jax.Array:
     """Block j of `rows` goes to device j; block j of the result came from device j."""
     with jax.named_scope(TOKEN_EXCHANGE):
         return jax.lax.all_to_all(rows, INTRA, split_axis=0, concat_axis=0, tiled=True)
-
-
-def local_compute(cfg, n: int):
-    """(experts per device, their config, the expert impl) of an all-to-all layout: the
-    owners compute dropless on what they receive (drops were decided by the senders)."""
-    local_experts = cfg.num_experts // n
-    compute_cfg = dataclasses.replace(cfg, num_experts=local_experts, capacity_factor=0.0)
-    return local_experts, compute_cfg, expert_impls.IMPLS[expert_impls.resolve_impl(compute_cfg)]
 
 
 def received_routing(expert: jax.Array, present: jax.Array) -> Routing:
@@ -94,41 +115,107 @@ def received_routing(expert: jax.Array, present: jax.Array) -> Routing:
     )
 
 
-def run_block(layout, body, x: jax.Array, params):
-    """`body(x, params) -> (y, stats)` per device, tokens as the attention layout left them."""
-    x_spec, param_spec = block_specs(layout, params)
-    return jax.shard_map(
-        body, mesh=layout.mesh, in_specs=(x_spec, param_spec), out_specs=(x_spec, P())
-    )(x, params)
+def send_slots(tokens: int, cfg, local_experts: int) -> int:
+    """Rows of the static buffer for each destination: every assignment of the device's
+    tokens (dropless), or the destination's experts times the per-device capacity."""
+    return tokens * cfg.top_k if cfg.dropless else local_experts * cfg.capacity(tokens)
 
 
-def alltoall_moe(layout, forward, x: jax.Array, params, cfg):
-    """x [b, s, d] split over the mesh as the attention layout left it."""
-    del forward  # this layout composes route, exchange and expert compute itself
-    n = layout.size(INTRA)  # the mesh's 'tensor' axis has size 1 for this layout
-    local_experts, compute_cfg, impl = local_compute(cfg, n)
+class AllToAllDispatcher(TokenDispatcher):
+    """Static per-destination buffers exchanged by all-to-all, there and back."""
 
-    def body(x, params):
-        batch, seq, dim = x.shape
-        tokens = x.reshape(batch * seq, dim)
-        routing = route(tokens, params.router, params.bias, cfg)
-        if cfg.dropless:
-            slots = tokens.shape[0] * cfg.top_k
-        else:
-            slots = local_experts * cfg.capacity(tokens.shape[0])
-        owner = dataclasses.replace(routing, expert_index=routing.expert_index // local_experts)
-        layout_out = dsp.capacity_layout(owner, n, slots)
-        expert_of_row = jnp.full(n * slots, local_experts, jnp.int32)
-        expert_of_row = expert_of_row.at[layout_out.row.reshape(-1)].set(
-            (routing.expert_index % local_experts).reshape(-1), mode="drop"
+    def __init__(self, cfg, layout):
+        super().__init__(cfg)
+        self.n = layout.size(INTRA)  # the mesh's 'tensor' axis has size 1 for this layout
+        self.local = cfg.num_experts // self.n
+        self.batch_axes, self.seq_axes = layout.batch_axes, layout.seq_axes
+
+    @property
+    def compute_cfg(self):
+        """The owners compute dropless on what they receive (the senders dropped)."""
+        return dataclasses.replace(self.cfg, num_experts=self.local, capacity_factor=0.0)
+
+    def dispatch(self, tokens: jax.Array, routing: Routing) -> Dispatched:
+        slots = send_slots(tokens.shape[0], self.cfg, self.local)
+        owner = dataclasses.replace(routing, expert_index=routing.expert_index // self.local)
+        send = dsp.capacity_layout(owner, self.n, slots)
+        expert_of_row = jnp.full(self.n * slots, self.local, jnp.int32)
+        expert_of_row = expert_of_row.at[send.row.reshape(-1)].set(
+            (routing.expert_index % self.local).reshape(-1), mode="drop"
         )
-        rows = _exchange(dsp.dispatch(tokens, layout_out))
-        expert = _exchange(expert_of_row)[:, None]
-        received = received_routing(expert, expert < local_experts)
-        results = _exchange(impl(rows, received, params.experts, compute_cfg))
-        y = dsp.combine(results, layout_out, routing).reshape(x.shape)
-        with jax.named_scope(ROUTER_STATS):
-            stats = router_stats(routing, batch).combine(layout.batch_axes, layout.seq_axes)
-        return y, stats
+        rows = exchange(dsp.dispatch(tokens, send))
+        expert = exchange(expert_of_row)[:, None]
+        return Dispatched(
+            rows, received_routing(expert, expert < self.local), state=(send, routing)
+        )
 
-    return run_block(layout, body, x, params)
+    def combine(self, out: jax.Array, sent: Dispatched) -> jax.Array:
+        send, routing = sent.state
+        return dsp.combine(exchange(out), send, routing)
+
+    def reduce(self, stats: RouterStats) -> RouterStats:
+        with jax.named_scope(ROUTER_STATS):
+            return stats.combine(self.batch_axes, self.seq_axes)
+
+
+def gathered_bytes(config, s: Sizes) -> Fraction:
+    """All-gather of the group's tokens in, reduce-scatter of the outputs: 2·T·h·B·(n-1)/n."""
+    return 2 * s.T * s.h * s.B * s.f
+
+
+def padded_bytes(config, s: Sizes) -> Fraction:
+    """n static buffers of `send_slots` rows there and back, and their int32 expert ids."""
+    moe = config.moe
+    if moe.dropless:
+        slots = s.t * moe.top_k
+    else:
+        slots = Fraction(moe.num_experts, s.n) * moe.capacity(int(s.t))
+    rows = s.n * slots
+    return 2 * s.f * rows * s.h * s.B + s.f * rows * 4
+
+
+def _a2a_paper(config, s: Sizes) -> Fraction:
+    """Eq. 3 as written: 2k/n × b·s·h·(n-1)/n."""
+    return 2 * config.moe.top_k * s.T * s.h * s.f / s.n * s.B
+
+
+def _ep_etp_problems(config) -> list[str]:
+    p = config.parallel
+    if 1 < p.etp < p.intra and p.intra % p.etp == 0:
+        return []
+    return [
+        f"parallel.etp={p.etp} must divide parallel.intra={p.intra} and lie strictly "
+        "between 1 and it for parallel.experts='ep_etp' (use 'ep_*' or 'etp' otherwise)"
+    ]
+
+
+EP_AG = ExpertSpec(
+    name="ep_ag",
+    block=exchange_block,
+    dispatcher=AllGatherDispatcher,
+    gathers_tokens=True,
+    token_bytes=gathered_bytes,
+    paper_bytes=gathered_bytes,
+    paper_equation="Eq. 3 (all-gather)",
+)
+EP_A2A = ExpertSpec(
+    name="ep_a2a",
+    block=exchange_block,
+    dispatcher=AllToAllDispatcher,
+    receive_slots=send_slots,
+    token_bytes=padded_bytes,
+    paper_bytes=_a2a_paper,
+    paper_equation="Eq. 3 (all-to-all)",
+)
+ETP = dataclasses.replace(
+    EP_AG, name="etp", split=lambda parallel: (1, parallel.intra), paper_equation="Eq. 4"
+)
+EP_ETP = dataclasses.replace(
+    EP_AG,
+    name="ep_etp",
+    split=lambda parallel: (parallel.intra // parallel.etp, parallel.etp),
+    problems=_ep_etp_problems,
+    uses_etp=True,
+    etp_choices=lambda n: [s for s in (2, 4) if s < n and n % s == 0],
+    paper_equation="Eq. 4",
+)

@@ -13,10 +13,15 @@ from __future__ import annotations
 import jax
 from jax.sharding import PartitionSpec as P
 
-from moe_jax.parallel.layout import DATA, local_attention
+from moe_jax.parallel import checks
+from moe_jax.parallel.layout import ALL, DATA, local_attention
+from moe_jax.parallel.spec import AttentionSpec
 
 
 def _gather_weights(layout, weights, axes):
+    """The whole weights, gathered as stored (float32): their transpose, the gradient
+    reduce-scatter, then runs in float32 too."""
+
     def gather(w, names):
         spec = layout.param_spec(names)
         dims = [i for i, axis in enumerate(spec) if axis == DATA]
@@ -43,3 +48,22 @@ def fsdp_mlp(layout, block, x, weights, axes):
     spec = layout.activation_spec()
     in_specs = (spec, layout.weight_specs(axes))
     return jax.shard_map(body, mesh=layout.mesh, in_specs=in_specs, out_specs=spec)(x, weights)
+
+
+def _problems(config) -> list[str]:
+    d = config.parallel.data
+    what = f"parallel.data={d} for parallel.attention='fsdp'"
+    return checks.split_heads(config, d, what, splits_sequence=False) + checks.split_widths(
+        config, d, what
+    )
+
+
+FSDP = AttentionSpec(
+    name="fsdp",
+    attention=fsdp_attention,
+    mlp=fsdp_mlp,
+    batch_axes=ALL,
+    rules=lambda config: (("heads", DATA), ("kv_heads", DATA), ("mlp", DATA)),
+    problems=_problems,
+    weights_over=DATA,
+)

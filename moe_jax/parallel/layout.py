@@ -1,9 +1,9 @@
-"""A model's layout as data: which function runs each block kind, on which mesh.
+"""A model's layout as data: which spec runs each block kind, on which mesh.
 
-Model code calls `layout.attention(...)`, `layout.mlp(...)` and
-`layout.moe(...)` and never asks which layout it is in. `Layout()` (no mesh)
-is the single-device layout; `moe_jax.parallel.mesh.make_layout` builds the
-others from a plan.
+Model code calls `layout.attention(...)`, `layout.mlp(...)`, `layout.moe(...)` and
+`layout.constrain(...)` and never asks which layout it is in. `Layout()` (no mesh)
+is the single-device layout; `moe_jax.parallel.mesh.make_layout` builds the others
+from a resolved plan and the specs in `moe_jax.parallel.registry`.
 
 The mesh always has three axes, ('data', 'expert', 'tensor'): `data`
 data-parallel groups of an intra-node group of n = expert * tensor devices.
@@ -15,14 +15,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 
 import jax
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from moe_jax.moe.dispatcher import TokenDispatcher
+from moe_jax.parallel.spec import AttentionSpec, ExpertSpec
 
 DATA, EXPERT, TENSOR = "data", "expert", "tensor"
 INTRA = (EXPERT, TENSOR)  # the intra-node group as one axis
 MESH_AXES = (DATA, EXPERT, TENSOR)
+ALL = (DATA, *INTRA)
 # Name scopes that mark collectives in the compiled program, read by
 # `moe_jax.tools.comm_report`: tokens moved between layouts, and the router
 # statistics combined across devices. Other collectives serve parameters.
@@ -44,10 +48,21 @@ def local_mlp(layout: Layout, block, x, weights, axes):
 
 
 def local_moe(layout: Layout, forward, x: jax.Array, params, cfg):
-    """All experts on all tokens of the call: one device, or GSPMD's choice."""
-    batch, seq, dim = x.shape
-    y, stats = forward(x.reshape(batch * seq, dim), params, cfg, batch)
-    return y.reshape(x.shape), stats
+    """All experts on all tokens of the call, on one device."""
+    return forward(x, params, cfg, TokenDispatcher(cfg))
+
+
+# Plain data parallelism: the batch over every device, weights replicated, GSPMD
+# differentiates the blocks. On one device it is the single-device layout.
+DP = AttentionSpec(
+    name="dp",
+    attention=local_attention_block,
+    mlp=local_mlp,
+    batch_axes=ALL,
+    attention_in_shard_map=False,
+    mlp_in_shard_map=False,
+)
+LOCAL_EXPERTS = ExpertSpec(name="local", block=local_moe, dispatcher=TokenDispatcher)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,11 +74,8 @@ class Layout:
     """
 
     mesh: jax.sharding.Mesh | None = None
-    attention_fn: Callable = local_attention_block
-    mlp_fn: Callable = local_mlp
-    moe_fn: Callable = local_moe
-    batch_axes: tuple[str, ...] = ()  # mesh axes the batch is split over between blocks
-    seq_axes: tuple[str, ...] = ()  # mesh axes the sequence is split over between blocks
+    attention_spec: AttentionSpec = DP
+    expert_spec: ExpertSpec = LOCAL_EXPERTS
     param_rules: tuple[tuple[str, str | tuple[str, ...]], ...] = ()
 
     # Each block kind runs under a name scope of its own, so the compiled
@@ -71,15 +83,24 @@ class Layout:
     def attention(self, block, x, positions, weights, axes):
         """block(x, positions, weights, attend) -> out, run the way this layout runs it."""
         with jax.named_scope("attention"):
-            return self.attention_fn(self, block, x, positions, weights, axes)
+            return self.attention_spec.attention(self, block, x, positions, weights, axes)
 
     def mlp(self, block, x, weights, axes):
         with jax.named_scope("mlp"):
-            return self.mlp_fn(self, block, x, weights, axes)
+            return self.attention_spec.mlp(self, block, x, weights, axes)
 
     def moe(self, forward, x: jax.Array, params, cfg):
+        """forward(x, params, cfg, dispatcher) -> (y, stats), with this layout's dispatcher."""
         with jax.named_scope("moe"):
-            return self.moe_fn(self, forward, x, params, cfg)
+            return self.expert_spec.block(self, forward, x, params, cfg)
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        return self.attention_spec.batch_axes if self.mesh is not None else ()
+
+    @property
+    def seq_axes(self) -> tuple[str, ...]:
+        return self.attention_spec.seq_axes if self.mesh is not None else ()
 
     def size(self, axes: str | tuple[str, ...]) -> int:
         axes = (axes,) if isinstance(axes, str) else axes
@@ -96,6 +117,15 @@ class Layout:
     def activation_spec(self, rank: int = 3) -> P:
         """[batch, seq, ...] as the layout leaves activations between blocks."""
         return P(self.batch_axes or None, self.seq_axes or None, *([None] * (rank - 2)))
+
+    def constrain(self, x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
+        """Pins an activation with logical axes ('batch', 'seq', anything else whole) to
+        where the layout keeps it between blocks; on one device, nothing to pin."""
+        if self.mesh is None:
+            return x
+        rules = {"batch": self.batch_axes or None, "seq": self.seq_axes or None}
+        spec = P(*(rules.get(name) for name in names))
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
 
 SINGLE_DEVICE = Layout()

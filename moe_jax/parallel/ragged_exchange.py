@@ -43,15 +43,24 @@ same exchange in reverse.
 
 from __future__ import annotations
 
+import dataclasses
+from fractions import Fraction
+
 import jax
 import jax.numpy as jnp
 
 from moe_jax.config import MoEConfig
 from moe_jax.moe import dispatch as dsp
-from moe_jax.moe.losses import router_stats
-from moe_jax.moe.routing import route
-from moe_jax.parallel.expert_parallel import local_compute, received_routing, run_block
-from moe_jax.parallel.layout import INTRA, ROUTER_STATS, TOKEN_EXCHANGE, Layout
+from moe_jax.moe.dispatcher import Dispatched
+from moe_jax.moe.routing import Routing
+from moe_jax.parallel.expert_parallel import (
+    EP_A2A,
+    AllToAllDispatcher,
+    padded_bytes,
+    received_routing,
+)
+from moe_jax.parallel.layout import INTRA, TOKEN_EXCHANGE
+from moe_jax.parallel.spec import Sizes
 
 NAME = "ep_a2a_ragged"  # the `parallel.experts` name this layout is registered under
 
@@ -108,34 +117,43 @@ def _ragged(rows, out_rows: int, input_offsets, send_sizes, output_offsets, recv
         )
 
 
-def ragged_alltoall_moe(layout: Layout, forward, x: jax.Array, params, cfg: MoEConfig):
-    """x [b, s, d] split over the mesh as the attention layout left it."""
-    del forward  # this layout composes route, exchange and expert compute itself
-    n = layout.size(INTRA)  # the mesh's 'tensor' axis has size 1 for this layout
-    local_experts, compute_cfg, impl = local_compute(cfg, n)
+class RaggedAllToAllDispatcher(AllToAllDispatcher):
+    """Only the routed rows cross the wire (`ragged_all_to_all`), there and back."""
 
-    def body(x, params):
-        batch, seq, dim = x.shape
-        tokens = x.reshape(batch * seq, dim)
-        routing = route(tokens, params.router, params.bias, cfg)  # drops decided per device
-        bound = receive_bound(tokens.shape[0], cfg, local_experts)
-        send = dsp.sorted_layout(routing, cfg.num_experts)  # by expert, so by destination
+    def dispatch(self, tokens: jax.Array, routing: Routing) -> Dispatched:
+        n, local = self.n, self.local
+        bound = receive_bound(tokens.shape[0], self.cfg, local)
+        send = dsp.sorted_layout(routing, self.cfg.num_experts)  # by expert, so by destination
         sizes, offsets, header = send_header(send.group_sizes, n)
         with jax.named_scope(TOKEN_EXCHANGE):
             header = jax.lax.all_to_all(header, INTRA, 0, 0, tiled=True)  # row s: from s
-        counts, their_offsets = header[:, :local_experts], header[:, local_experts]
+        counts, their_offsets = header[:, :local], header[:, local]
         recv_sizes = counts.sum(1)
-        regions = jnp.arange(n, dtype=jnp.int32) * bound  # source s writes from s * bound
         mine = jnp.full(n, jax.lax.axis_index(INTRA) * bound, jnp.int32)
-        sent = dsp.dispatch(tokens, send)
-        rows = _ragged(sent, n * bound, offsets, sizes, mine, recv_sizes)
+        rows = _ragged(dsp.dispatch(tokens, send), n * bound, offsets, sizes, mine, recv_sizes)
         expert, present = received_experts(counts, bound)
-        received = received_routing(expert[:, None], present[:, None])
-        results = impl(rows, received, params.experts, compute_cfg)
-        back = _ragged(results, send.source.shape[0], regions, recv_sizes, their_offsets, sizes)
-        y = dsp.combine(back, send, routing).reshape(x.shape)
-        with jax.named_scope(ROUTER_STATS):
-            stats = router_stats(routing, batch).combine(layout.batch_axes, layout.seq_axes)
-        return y, stats
+        back = (send, routing, bound, recv_sizes, their_offsets, sizes)
+        return Dispatched(rows, received_routing(expert[:, None], present[:, None]), state=back)
 
-    return run_block(layout, body, x, params)
+    def combine(self, out: jax.Array, sent: Dispatched) -> jax.Array:
+        send, routing, bound, recv_sizes, their_offsets, sizes = sent.state
+        regions = jnp.arange(self.n, dtype=jnp.int32) * bound  # source s wrote from s * bound
+        back = _ragged(out, send.source.shape[0], regions, recv_sizes, their_offsets, sizes)
+        return dsp.combine(back, send, routing)
+
+
+def _ragged_bytes(config, s: Sizes) -> Fraction:
+    """Dropless, only the routed rows move: 1/n of the padded form's static buffers
+    (balanced routing); with capacity the buffers are the bound."""
+    padded = padded_bytes(config, s)
+    return padded / s.n if config.moe.dropless else padded
+
+
+EP_A2A_RAGGED = dataclasses.replace(
+    EP_A2A,
+    name=NAME,
+    dispatcher=RaggedAllToAllDispatcher,
+    platforms_without=("cpu",),
+    receive_slots=receive_bound,
+    token_bytes=_ragged_bytes,
+)

@@ -15,11 +15,14 @@ head its query heads use, as Megatron replicates kv heads.
 from __future__ import annotations
 
 import dataclasses
+from fractions import Fraction
 
 import jax
 from jax.sharding import PartitionSpec as P
 
-from moe_jax.parallel.layout import INTRA, TOKEN_EXCHANGE, local_attention
+from moe_jax.parallel import checks
+from moe_jax.parallel.layout import DATA, INTRA, TOKEN_EXCHANGE, local_attention
+from moe_jax.parallel.spec import AttentionSpec, Sizes
 
 
 def _gather_sequence(x: jax.Array) -> jax.Array:
@@ -64,3 +67,41 @@ def tp_mlp(layout, block, x, weights, axes):
     spec = layout.activation_spec()
     in_specs = (spec, layout.weight_specs(axes))
     return jax.shard_map(body, mesh=layout.mesh, in_specs=in_specs, out_specs=spec)(x, weights)
+
+
+def _rules(config) -> tuple:
+    kv_heads = (
+        (("kv_heads", INTRA),) if config.model.num_kv_heads % config.parallel.intra == 0 else ()
+    )
+    return (("heads", INTRA), ("mlp", INTRA), *kv_heads)
+
+
+def _problems(config) -> list[str]:
+    n = config.parallel.intra
+    what = f"parallel.intra={n} for parallel.attention='tp'"
+    return checks.split_heads(config, n, what, splits_sequence=True) + checks.split_widths(
+        config, n, what
+    )
+
+
+def exchanged_bytes(config, s: Sizes) -> Fraction:
+    """All-gather of the sequence in, reduce-scatter out: 2·T·h·B·(n-1)/n (Eq. 1)."""
+    return 2 * s.T * s.h * s.B * s.f
+
+
+TP = AttentionSpec(
+    name="tp",
+    attention=tp_attention,
+    mlp=tp_mlp,
+    batch_axes=(DATA,),
+    seq_axes=INTRA,
+    rules=_rules,
+    problems=_problems,
+    weights_over=INTRA,
+    heads_split=True,
+    gathers_sequence=True,
+    attention_bytes=exchanged_bytes,
+    mlp_bytes=exchanged_bytes,
+    paper_bytes=exchanged_bytes,
+    paper_equation="Eq. 1",
+)

@@ -15,11 +15,15 @@ kv part of the traffic is as large as with n kv heads.
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from moe_jax.parallel.layout import INTRA, TOKEN_EXCHANGE, local_attention
+from moe_jax.parallel import checks
+from moe_jax.parallel.layout import DATA, INTRA, TOKEN_EXCHANGE, local_attention, local_mlp
+from moe_jax.parallel.spec import AttentionSpec, Sizes
 
 
 def _seq_to_heads(x: jax.Array) -> jax.Array:
@@ -51,3 +55,39 @@ def ulysses_attention(layout, block, x, positions, weights, axes):
     return jax.shard_map(body, mesh=layout.mesh, in_specs=in_specs, out_specs=spec)(
         x, positions, weights
     )
+
+
+def _problems(config) -> list[str]:
+    n = config.parallel.intra
+    what = f"parallel.intra={n} for parallel.attention='sp'"
+    return checks.split_heads(config, n, what, splits_sequence=True)
+
+
+def exchanged_bytes(config, s: Sizes) -> Fraction:
+    """q, k, v to head shards and the output back: (n-1)/n of each device's
+    [t, width] buffers, the kv heads repeated up to n."""
+    m = config.model
+    q_width = m.num_heads * m.head_dim
+    kv_heads = m.num_kv_heads if m.num_kv_heads >= s.n else s.n
+    return s.f * s.t * (2 * q_width + 2 * kv_heads * m.head_dim) * s.B
+
+
+def paper_bytes(config, s: Sizes) -> Fraction:
+    """The paper's Eq. 2, 2·b·s·h·(n-1)/n × (2 + 2/m)/n: twice the per-device bytes."""
+    ratio = Fraction(config.model.num_heads, config.model.num_kv_heads)  # GQA ratio m
+    return (4 + 4 / ratio) * s.T * s.h * s.f / s.n * s.B
+
+
+SP = AttentionSpec(
+    name="sp",
+    attention=ulysses_attention,
+    mlp=local_mlp,
+    batch_axes=(DATA,),
+    seq_axes=INTRA,
+    problems=_problems,
+    heads_split=True,
+    mlp_in_shard_map=False,
+    attention_bytes=exchanged_bytes,
+    paper_bytes=paper_bytes,
+    paper_equation="Eq. 2",
+)

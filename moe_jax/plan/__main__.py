@@ -21,6 +21,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from moe_jax import config as config_lib
+from moe_jax.parallel import registry
 from moe_jax.plan import cost_model, planner
 from moe_jax.plan.hardware import GPUS, get
 
@@ -62,7 +63,7 @@ def table(ranking: planner.Ranking, top: int) -> list[str]:
 def _row(tag: str, c: planner.Candidate) -> str:
     p, cost = c.plan, c.cost
     comm = sum(cost.breakdown.get(k, 0.0) for k in planner.EXCHANGES)
-    label = p.label + (f"/{p.etp}" if p.experts == "ep_etp" else "")
+    label = p.label + (f"/{p.etp}" if registry.EXPERTS[p.experts].uses_etp else "")
     return (
         f"{tag:>3} {label:<20}{p.intra:>3}{p.pp:>4}{p.data:>6}{p.micro_batch:>4}"
         f"{cost.step_s * 1e3:>11.3f}{cost.tokens_per_sec:>13,.0f}{cost.mfu:>7.1%}"

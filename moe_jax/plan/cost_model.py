@@ -15,7 +15,7 @@ Model, per device and per micro-batch of the slowest pipeline stage:
     (`tile_factor`), which tensor parallelism shortens. Every micro-batch also
     reads and writes the float32 gradient accumulator.
   * communication: alpha-beta, (g-1) * alpha + bytes sent / achievable bandwidth,
-    with the activation bytes of `moe_jax.parallel.comm_volume`, inside the
+    with the activation bytes of `moe_jax.plan.comm_volume`, inside the
     node over NVLink, across nodes over the per-GPU NIC.
   * overlap (`Plan.overlap`): "none" exposes every exchange inside the step and
     runs the token permute and combine as passes of their own, as Megatron-LM
@@ -62,14 +62,16 @@ import dataclasses
 
 from moe_jax.config import Config
 from moe_jax.flops import flops_per_token
-from moe_jax.parallel import comm_volume
+from moe_jax.parallel import registry
+from moe_jax.parallel.layout import DATA, INTRA
+from moe_jax.plan import comm_volume
 from moe_jax.plan.hardware import GPU
 
 OVERLAPS = ("none", "megascale")
 GRAD_SYNCS = ("hierarchical", "per_micro_batch")
 REMATS = ("", "none", "selective", "full")
-ATTENTION_LAYOUTS = ("dp", "fsdp", "tp", "sp")
-EXPERT_LAYOUTS = ("ep_a2a", "ep_a2a_ragged", "ep_ag", "etp", "ep_etp")
+ATTENTION_LAYOUTS = tuple(registry.ATTENTION)
+EXPERT_LAYOUTS = tuple(registry.EXPERTS)
 PARAM_BYTES = 4  # parameters are float32; fsdp gathers them as stored
 ADAM_BYTES_PER_PARAM = 28  # read grad, param, m, v (16); write param, m, v (12)
 
@@ -262,7 +264,11 @@ class CostModel:
         stage_devices = plan.intra * plan.data
         self.data_link = self.network if stage_devices > gpu.gpus_per_node else self.intra
         self.stage_link = self.network if plan.devices > gpu.gpus_per_node else self.intra
-        self.activation = _activation_bytes(self.sized)
+        self.activation = comm_volume.activation_bytes(self.sized)
+        self.mlp_activation = comm_volume.mlp_bytes(self.sized)
+        self.attention_spec = registry.attention_spec(self.sized)
+        self.expert_spec = registry.expert_spec(self.sized)
+        self.split = {INTRA: plan.intra, DATA: plan.data}.get(self.attention_spec.weights_over, 1)
 
     # --- operators (forward, one micro-batch, one device) -----------------------------
 
@@ -276,13 +282,18 @@ class CostModel:
 
     def _rows(self) -> float:
         """Rows of a dense GEMM on one device: tp gathers the group's tokens first."""
-        return self.T if self.plan.attention == "tp" else self.t
+        return self.T if self.attention_spec.gathers_sequence else self.t
+
+    @property
+    def _intra_split(self) -> int:
+        """How many ways attention and dense GEMMs are split (tp: over the intra group)."""
+        return self.plan.intra if self.attention_spec.weights_over == INTRA else 1
 
     def attention_ops(self) -> list[_Op]:
-        m, p, t, B = self.config.model, self.plan, self.t, self.B
+        m, t, B = self.config.model, self.t, self.B
         h, hd, heads, kv = m.embed_dim, m.head_dim, m.num_heads, m.num_kv_heads
         weights = h * hd * (2 * heads + 2 * kv)
-        split = p.intra if p.attention == "tp" else 1
+        split = self._intra_split
         context = (self.config.train.seq_len + 1) / 2  # mean keys per causal query
         qkvo = t * (2 * heads + 2 * kv) * hd * B
         rows = self._rows()
@@ -300,9 +311,9 @@ class CostModel:
         ]
 
     def mlp_ops(self) -> list[_Op]:
-        m, p, t, B = self.config.model, self.plan, self.t, self.B
+        m, t, B = self.config.model, self.t, self.B
         h, width = m.embed_dim, m.mlp_dim
-        split = p.intra if p.attention == "tp" else 1
+        split = self._intra_split
         io = t * (2 * h + 3 * width) * B
         shapes = ((self._rows(), 2 * width / split, h), (self._rows(), h, width / split))
         return [
@@ -316,13 +327,14 @@ class CostModel:
         grouped GEMM (the paper's intra-operator fusion), so they cost no pass of their own."""
         m, e, p, B = self.config.model, self.config.moe, self.plan, self.B
         T, t, n, h, f, k = self.T, self.t, p.intra, m.embed_dim, e.expert_mlp_dim, e.top_k
-        routed = t if p.experts in ("ep_a2a", "ep_a2a_ragged") else T  # else after a gather
+        routed = T if self.expert_spec.gathers_tokens else t  # the group's, after a gather
         rows = T * k / n  # expert rows x full width per device, every layout (balanced)
-        permuted = {"etp": T * k, "ep_etp": T * k * p.etp / n}.get(p.experts, rows)
+        ep, tp = registry.expert_split(self.sized)
+        permuted = T * k / ep  # rows of all local experts, each at its 1/tp width
         weights = 3 * h * f * e.num_experts / n
         shared = e.num_shared_experts * e.shared_mlp_dim
         fused = p.overlap == "megascale"
-        width = f / {"etp": n, "ep_etp": p.etp}.get(p.experts, 1)  # of each local expert
+        width = f / tp  # of each local expert
         per_expert = T * k / e.num_experts  # rows each expert receives (balanced)
         expert_shapes = ((per_expert, 2 * width, h), (per_expert, h, width))
         ops = [
@@ -350,8 +362,8 @@ class CostModel:
         return ops
 
     def head_ops(self) -> list[_Op]:
-        m, p, t, B = self.config.model, self.plan, self.t, self.B
-        split = p.intra if p.attention == "tp" else 1
+        m, t, B = self.config.model, self.t, self.B
+        split = self._intra_split
         weights = m.embed_dim * m.vocab_size
         logits = t * m.vocab_size * 4
         return [
@@ -362,25 +374,34 @@ class CostModel:
     # --- exchanges -------------------------------------------------------------------
 
     def attention_exchanges(self) -> list[_Exchange]:
-        p, m = self.plan, self.config.model
-        if p.attention in ("tp", "sp"):
-            return [
-                _Exchange("attention_exchange", self.activation.attention, p.intra, 2, self.intra)
-            ]
-        if p.attention == "fsdp":
-            weights = m.embed_dim * m.head_dim * (2 * m.num_heads + 2 * m.num_kv_heads)
-            return [self._weight_gather(weights)]
-        return []
+        p, m, spec = self.plan, self.config.model, self.attention_spec
+        out = []
+        if spec.exchanges:
+            out.append(
+                _Exchange(
+                    "attention_exchange",
+                    self.activation.attention,
+                    p.intra,
+                    spec.exchanges,
+                    self.intra,
+                )
+            )
+        if spec.weights_over == DATA:
+            out.append(
+                self._weight_gather(
+                    m.embed_dim * m.head_dim * (2 * m.num_heads + 2 * m.num_kv_heads)
+                )
+            )
+        return out
 
     def mlp_exchanges(self) -> list[_Exchange]:
-        p, m = self.plan, self.config.model
-        if p.attention == "tp":  # the same all-gather in, reduce-scatter out
-            return [
-                _Exchange("attention_exchange", self.activation.attention, p.intra, 2, self.intra)
-            ]
-        if p.attention == "fsdp":
-            return [self._weight_gather(3 * m.embed_dim * m.mlp_dim)]
-        return []
+        p, m, spec = self.plan, self.config.model, self.attention_spec
+        out = []
+        if self.mlp_activation:  # tp: all-gather in, reduce-scatter out, as attention
+            out.append(_Exchange("attention_exchange", self.mlp_activation, p.intra, 2, self.intra))
+        if spec.weights_over == DATA:
+            out.append(self._weight_gather(3 * m.embed_dim * m.mlp_dim))
+        return out
 
     def moe_exchanges(self) -> list[_Exchange]:
         p = self.plan
@@ -445,7 +466,7 @@ class CostModel:
         over the intra group, fsdp over data; experts always over the intra group)."""
         m, e, p = self.config.model, self.config.moe, self.plan
         h = m.embed_dim
-        split = {"tp": p.intra, "fsdp": p.data}.get(p.attention, 1)
+        split = self.split
         attention = h * m.head_dim * (2 * m.num_heads + 2 * m.num_kv_heads) / split
         if not moe:
             return attention + 3 * h * m.mlp_dim / split
@@ -462,7 +483,7 @@ class CostModel:
         first, the head on the last."""
         m, p = self.config.model, self.plan
         is_moe = [_is_moe_layer(m, i) for i in range(m.num_layers)]
-        table = m.vocab_size * m.embed_dim / (p.intra if p.attention == "tp" else 1)
+        table = m.vocab_size * m.embed_dim / self._intra_split
         out = []
         for s, layers in enumerate(self.stage_layers()):
             ends = (s == 0) + (s == p.pp - 1 and not m.tie_embeddings)
@@ -588,19 +609,6 @@ def sized_config(config: Config, plan: Plan, global_batch: int) -> Config:
     micro_batches = global_batch // (plan.data * plan.micro_batch)
     train = dataclasses.replace(config.train, batch_size=global_batch, grad_accum=micro_batches)
     return dataclasses.replace(config, parallel=parallel, train=train)
-
-
-def _activation_bytes(config: Config) -> comm_volume.LayerBytes:
-    """comm_volume's per-device bytes; `ep_a2a_ragged` sends only the rows each owner
-    needs, so without capacity padding it moves 1/n of `ep_a2a`'s static buffers."""
-    p = config.parallel
-    if p.experts != "ep_a2a_ragged":
-        return comm_volume.activation_bytes(config)
-    padded = comm_volume.activation_bytes(
-        dataclasses.replace(config, parallel=dataclasses.replace(p, experts="ep_a2a"))
-    )
-    experts = padded.experts / p.intra if config.moe.dropless else padded.experts
-    return comm_volume.LayerBytes(padded.attention, round(experts))
 
 
 def step_cost(

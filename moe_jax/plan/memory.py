@@ -22,13 +22,12 @@ from flax import nnx
 
 from moe_jax.config import Config, ModelConfig, MoEConfig, TrainConfig
 from moe_jax.moe.experts import resolve_impl
-from moe_jax.parallel.layout import DATA, EXPERT, TENSOR, Layout
-from moe_jax.parallel.mesh import expert_split, param_rules
-from moe_jax.parallel.ragged_exchange import receive_bound
+from moe_jax.parallel import registry
+from moe_jax.parallel.layout import DATA, INTRA, Layout
+from moe_jax.plan.comm_volume import DTYPE_BYTES
 from moe_jax.train_step import init_state
 
 FP32 = 4
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,10 +95,7 @@ def state_arrays(config: Config) -> tuple[StateArray, ...]:
     return _state_arrays(config.model, config.moe, config.train.grad_clip > 0)
 
 
-def mesh_sizes(config: Config) -> dict[str, int]:
-    """Sizes of the mesh axes of a resolved plan."""
-    expert, tensor = expert_split(config)
-    return {DATA: config.parallel.data, EXPERT: expert, TENSOR: tensor}
+mesh_sizes = registry.mesh_sizes
 
 
 def placement(config: Config, array: StateArray, shape: tuple[int, ...] | None = None) -> list:
@@ -107,7 +103,7 @@ def placement(config: Config, array: StateArray, shape: tuple[int, ...] | None =
     by the plan's rules; with ZeRO-1 a moment also goes over 'data' on its first
     unsplit dimension divisible by the data size."""
     shape = array.shape if shape is None else shape
-    spec = list(Layout(param_rules=param_rules(config)).param_spec(array.names))
+    spec = list(Layout(param_rules=registry.param_rules(config)).param_spec(array.names))
     spec += [None] * (len(shape) - len(spec))
     data = config.parallel.data
     if array.moment and config.parallel.zero and data > 1 and DATA not in spec:
@@ -223,17 +219,17 @@ def _sizes(config: Config, micro_batch: int | None) -> _Sizes:
 
 def _attention_terms(config: Config, z: _Sizes) -> dict[str, int]:
     """Stored by one attention block (with its norm)."""
-    m, layout = config.model, config.parallel.attention
+    m, spec = config.model, registry.attention_spec(config)
     a, kv, hd, n = m.num_heads, m.num_kv_heads, m.head_dim, z.n
-    if layout in ("dp", "fsdp"):
+    if not spec.heads_split:
         seqs, heads, kv_heads, proj_tokens, out_width = z.b // n, a, kv, z.t, a
     else:  # tp and sp attend over whole sequences for a/n heads
         kv_heads = kv // n if kv % n == 0 else 1
         seqs, heads = z.b, a // n
-        proj_tokens, out_width = (z.b * z.s, a // n) if layout == "tp" else (z.t, a)
-    if layout == "fsdp":  # gathered whole for the block's backward
+        proj_tokens, out_width = (z.b * z.s, a // n) if spec.gathers_sequence else (z.t, a)
+    if spec.weights_over == DATA:  # gathered whole for the block's backward
         cast = z.h * (2 * a + 2 * kv) * hd * z.B
-    elif layout == "tp":  # a/n query heads; the kv heads it uses (sliced when K < n)
+    elif spec.weights_over == INTRA:  # a/n query heads; the kv heads it uses (sliced when K < n)
         cast = z.h * (2 * heads + 2 * kv_heads) * hd * z.B
         cast = cast if z.B != FP32 else (2 * z.h * hd * FP32 if kv % n else 0)
     else:  # the cast copies of whole weights (float32 reads the parameters themselves)
@@ -249,17 +245,17 @@ def _attention_terms(config: Config, z: _Sizes) -> dict[str, int]:
 
 def _mlp_terms(config: Config, z: _Sizes, width: int) -> dict[str, int]:
     """Stored by a SwiGLU MLP of `width` hidden columns (dense layer or shared experts)."""
-    layout = config.parallel.attention
-    tokens = z.b * z.s if layout == "tp" else z.t
-    local = width // z.n if layout == "tp" else width
+    spec = registry.attention_spec(config)
+    tokens = z.b * z.s if spec.gathers_sequence else z.t
+    split = z.n if spec.weights_over == INTRA else 1
     weights = 3 * z.h * width
-    if layout == "fsdp":
+    if spec.weights_over == DATA:
         cast = weights * z.B
     else:
-        cast = weights // (z.n if layout == "tp" else 1) * z.B if z.B != FP32 else 0
+        cast = weights // split * z.B if z.B != FP32 else 0
     return {
         "mlp_input": tokens * z.h * z.B,
-        "mlp_hidden": 6 * tokens * local * z.B,
+        "mlp_hidden": 6 * tokens * (width // split) * z.B,
         "mlp_weights": cast,
     }
 
@@ -275,11 +271,18 @@ def _router_terms(tokens: int, z: _Sizes, e: int, k: int) -> dict[str, int]:
 
 
 def _expert_terms(
-    config: Config, z: _Sizes, tokens: int, choices: int, moe: MoEConfig, f_local: int
+    config: Config,
+    z: _Sizes,
+    tokens: int,
+    choices: int,
+    moe: MoEConfig,
+    f_local: int,
+    slots: int | None = None,
 ) -> dict[str, int]:
     """Grouped SwiGLU over `tokens` x `choices` assignments on `moe.num_experts` local
     experts of width `f_local`: the sorted rows (tile-padded for `tiled`), their hidden
-    activations and the weights as the matmuls read them."""
+    activations and the weights as the matmuls read them. `slots`: capacity per expert
+    when drops were decided over all experts (the all-gather forms)."""
     impl, e_local = resolve_impl(moe), moe.num_experts
     weights = 3 * e_local * z.h * f_local * z.B
     if impl == "tiled":  # copies of rows and weights made per matmul (`_varying_like`)
@@ -287,7 +290,8 @@ def _expert_terms(
         rows = -(-(tokens * choices + e_local * (tile - 1)) // tile) * tile
         copies, indices = 2, rows + rows // tile + 1
     else:  # ragged_dot / capacity / dense read the rows and (float32) weights as they are
-        rows = e_local * moe.capacity(tokens) if impl == "capacity" else tokens * choices
+        capacity = slots or moe.capacity(tokens)
+        rows = e_local * capacity if impl == "capacity" else tokens * choices
         copies, indices = 1, rows
         weights = weights if z.B != FP32 else 0
     return {
@@ -340,28 +344,30 @@ def block_activation_bytes(
     hidden 1.3 GiB, expert weight copy 0.3 GiB).
     """
     z = _sizes(config, micro_batch)
-    m, e, p = config.model, config.moe, config.parallel
+    m, e = config.model, config.moe
     terms = _attention_terms(config, z)
     terms["ffn_norm"] = z.t * (2 * z.h + 2) * FP32
     if not moe:
         for key, value in _mlp_terms(config, z, m.mlp_dim).items():
             terms[key] = value
         return terms
-    expert, tensor = expert_split(config)
+    spec = registry.expert_spec(config)
+    expert, tensor = registry.expert_split(config)
     local = dataclasses.replace(e, num_experts=e.num_experts // expert)
-    if p.experts in ("ep_a2a", "ep_a2a_ragged"):
+    group_slots = None
+    if spec.gathers_tokens:
+        routed = z.n * z.t
+        tokens, choices = routed, e.top_k
+        group_slots = None if e.dropless else e.capacity(routed)
+    else:
         routed = z.t
-        slots = z.t * e.top_k if e.dropless else local.num_experts * e.capacity(z.t)
-        if p.experts == "ep_a2a_ragged":
-            slots = receive_bound(z.t, e, local.num_experts)
+        slots = spec.receive_slots(z.t, e, local.num_experts)
         local = dataclasses.replace(local, capacity_factor=0.0)
         tokens, choices = z.n * slots, 1  # the received rows, one expert each
         terms["exchange"] = tokens * 12  # received expert ids, row indices, weights
-    else:
-        routed = z.n * z.t
-        tokens, choices = routed, e.top_k
     terms.update(_router_terms(routed, z, e.num_experts, e.top_k))
-    terms.update(_expert_terms(config, z, tokens, choices, local, e.expert_mlp_dim // tensor))
+    f_local = e.expert_mlp_dim // tensor
+    terms.update(_expert_terms(config, z, tokens, choices, local, f_local, group_slots))
     if e.num_shared_experts:
         width = e.num_shared_experts * e.shared_mlp_dim
         shared = _mlp_terms(config, z, width)

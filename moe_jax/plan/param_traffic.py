@@ -38,7 +38,8 @@ import dataclasses
 import math
 
 from moe_jax.config import Config
-from moe_jax.parallel.layout import DATA, EXPERT, TENSOR
+from moe_jax.parallel import registry
+from moe_jax.parallel.layout import DATA, EXPERT, INTRA, TENSOR
 from moe_jax.plan.memory import StateArray, device_bytes, mesh_sizes, placement, state_arrays
 
 
@@ -75,18 +76,18 @@ def _splits(config: Config, array: StateArray) -> set[str]:
 
 def _by_gspmd(config: Config, block: str) -> bool:
     """Whether GSPMD, not a `shard_map` layout, differentiates the block's weights."""
-    attention = config.parallel.attention
+    spec = registry.attention_spec(config)
     return (
         block == "outer"
-        or (block == "attention" and attention == "dp")
-        or (block == "mlp" and attention in ("dp", "sp"))
+        or (block == "attention" and not spec.attention_in_shard_map)
+        or (block == "mlp" and not spec.mlp_in_shard_map)
     )
 
 
 def _outer(config: Config, size: float) -> float:
     """GSPMD reduces over the batch axes and then the sequence axes of the layout."""
     p = config.parallel
-    if p.attention in ("dp", "fsdp"):
+    if not registry.attention_spec(config).seq_axes:  # the batch is split over every device
         return _all_reduce(size, p.data * p.intra)
     return _all_reduce(size, p.intra) + _all_reduce(size, p.data)
 
@@ -98,12 +99,13 @@ def parameter_bytes(config: Config, array: StateArray) -> float:
     d, n = p.data, p.intra
     size = device_bytes(config, array)
     block, splits = _block(config, array), _splits(config, array)
-    if block in ("attention", "mlp") and p.attention == "fsdp":
+    weights_over = registry.attention_spec(config).weights_over
+    if block in ("attention", "mlp") and weights_over == DATA:
         whole = size * d if DATA in splits else size
         return 2 * _gather(whole, d) + _all_reduce(whole, n)
     if _by_gspmd(config, block):
         return _outer(config, size)
-    if block == "attention" and p.attention == "tp" and not splits & {EXPERT, TENSOR}:
+    if block == "attention" and weights_over == INTRA and not splits & {EXPERT, TENSOR}:
         kv_head = size / m.num_kv_heads  # only kv weights stay whole under tp
         return _all_reduce(size, n) + _all_reduce(kv_head, d)
     sizes = mesh_sizes(config)

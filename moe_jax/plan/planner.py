@@ -13,6 +13,8 @@ import math
 from collections.abc import Callable, Iterator
 
 from moe_jax.config import Config
+from moe_jax.parallel import registry
+from moe_jax.parallel.layout import DATA
 from moe_jax.plan import cost_model
 from moe_jax.plan.cost_model import (
     ATTENTION_LAYOUTS,
@@ -28,7 +30,6 @@ from moe_jax.plan.hardware import GPU, get
 USABLE_MEMORY = 0.9
 INTRA_SIZES = (1, 2, 4, 8)
 MAX_MICRO_BATCH = 16  # sequences; larger ones only grow the pipeline bubble
-TRAINER_EXPERTS = ("ep_a2a", "ep_a2a_ragged", "ep_ag", "etp", "ep_etp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,9 +80,12 @@ def _divisors(value: int) -> list[int]:
     return [d for d in range(1, value + 1) if value % d == 0]
 
 
-def problem(config: Config, plan: Plan, global_batch: int, gpu: GPU) -> str | None:
-    """Why `plan` cannot run (the trainer's divisibility rules), or None."""
-    m, e, seq = config.model, config.moe, config.train.seq_len
+def problem(
+    config: Config, plan: Plan, global_batch: int, gpu: GPU, platform: str = "gpu"
+) -> str | None:
+    """Why `plan` cannot run (the layout specs' own checks, as the trainer applies them,
+    plus the cluster's: a node's size, the pipeline's depth), or None."""
+    m = config.model
     n, d = plan.intra, plan.data
     if n > gpu.gpus_per_node:
         return f"intra group of {n} spans nodes"
@@ -89,35 +93,9 @@ def problem(config: Config, plan: Plan, global_batch: int, gpu: GPU) -> str | No
         return f"{plan.pp} stages for {m.num_layers} layers"
     if global_batch % (d * plan.micro_batch):
         return f"batch {global_batch} does not split into {d} x {plan.micro_batch}"
-    if plan.attention in ("dp", "fsdp") and plan.micro_batch % n:
-        return f"micro-batch {plan.micro_batch} does not split over {n} devices"
-    ep, tp = {"etp": (1, n), "ep_etp": (n // plan.etp, plan.etp)}.get(plan.experts, (n, 1))
-    if plan.experts == "ep_etp" and not (1 < plan.etp < n and n % plan.etp == 0):
-        return f"etp={plan.etp} must divide n={n} strictly"
-    if e.num_experts % ep or e.expert_mlp_dim % tp:
-        return f"experts {e.num_experts} x width {e.expert_mlp_dim} do not split {ep} x {tp}"
-    widths = _dense_widths(config)
-    if plan.attention in ("tp", "sp"):
-        kv = m.num_kv_heads
-        if m.num_heads % n or seq % n or (kv % n and n % kv):
-            return f"heads {m.num_heads}/{kv} or sequence {seq} do not split over {n}"
-        if plan.attention == "tp" and any(w % n for w in widths):
-            return f"dense widths {widths} do not split over {n}"
-    if plan.attention == "fsdp" and (
-        m.num_heads % d or m.num_kv_heads % d or any(w % d for w in widths)
-    ):
-        return f"heads or dense widths do not split over data={d}"
-    return None
-
-
-def _dense_widths(config: Config) -> list[int]:
-    m, e = config.model, config.moe
-    widths = []
-    if m.first_k_dense or m.moe_every > 1 or not m.num_moe_layers:
-        widths.append(m.mlp_dim)
-    if e.num_shared_experts:
-        widths.append(e.num_shared_experts * e.shared_mlp_dim)
-    return widths
+    sized = cost_model.sized_config(config, plan, global_batch)
+    found = registry.problems(sized, n * d, platform)
+    return found[0] if found else None
 
 
 def plans(
@@ -178,17 +156,21 @@ def plans(
 
 def _layouts(n: int, data: int, attention: tuple[str, ...], experts: tuple[str, ...]):
     """(attention, experts, etp) triples, without duplicates: with n = 1 every layout is
-    plain data parallelism, and fsdp over one data group is dp."""
-    if data == 1 and "dp" in attention:
-        attention = tuple(a for a in attention if a != "fsdp")
+    plain data parallelism (only those splitting the batch over all devices remain, with
+    one expert layout), and weights split over one data group are not split (plain data
+    parallelism, where it is listed, stands for them)."""
+    specs = [registry.ATTENTION[a] for a in attention]
+    plain = any(s.weights_over is None and not s.seq_axes for s in specs)
+    if data == 1 and plain:
+        specs = [s for s in specs if s.weights_over != DATA]
     if n == 1:
-        return [(a, experts[0], 2) for a in attention if a in ("dp", "fsdp")]
-    out = []
-    for a in attention:
-        for x in experts:
-            etps = [s for s in (2, 4) if s < n and n % s == 0] if x == "ep_etp" else [2]
-            out += [(a, x, s) for s in etps]
-    return out
+        return [(s.name, experts[0], 2) for s in specs if not s.seq_axes]
+    return [
+        (s.name, x, etp)
+        for s in specs
+        for x in experts
+        for etp in registry.EXPERTS[x].etp_choices(n)
+    ]
 
 
 def fits(memory, gpu: GPU) -> bool:
@@ -280,12 +262,14 @@ def megatron_baseline(
 
 
 def choose_plan(config: Config, num_devices: int, gpu: GPU | str = "h800") -> dict:
-    """The fastest plan the trainer can run on `num_devices` (no pipeline), as the
-    `config.parallel` settings to apply. The batch and `train.grad_accum` stay as
-    configured, gradients sync as the trainer compiles them (inside every
-    micro-batch's backward), and layouts the compiled mesh rejects
-    (`mesh.check_plan`) are skipped."""
-    from moe_jax.parallel import mesh as mesh_lib  # imports jax: only the trainer's path
+    """The fastest plan the trainer can run on `num_devices` devices of this process's
+    backend (no pipeline), as the `config.parallel` settings to apply. The batch and
+    `train.grad_accum` stay as configured, gradients sync as the trainer compiles them
+    (inside every micro-batch's backward), and plans the layout specs reject for these
+    devices are skipped."""
+    import jax  # only the trainer's path needs the backend
+
+    platform = jax.default_backend()
 
     def settings(plan: Plan) -> dict:
         return {
@@ -299,11 +283,8 @@ def choose_plan(config: Config, num_devices: int, gpu: GPU | str = "h800") -> di
 
     def runs(plan: Plan) -> bool:
         parallel = dataclasses.replace(config.parallel, **settings(plan))
-        try:
-            mesh_lib.check_plan(dataclasses.replace(config, parallel=parallel), num_devices)
-        except ValueError:
-            return False
-        return True
+        resolved = dataclasses.replace(config, parallel=parallel)
+        return not registry.problems(resolved, num_devices, platform)
 
     ranking = rank(
         config,
@@ -312,7 +293,6 @@ def choose_plan(config: Config, num_devices: int, gpu: GPU | str = "h800") -> di
         pp=1,
         limit=1,
         accept=runs,
-        experts=TRAINER_EXPERTS,
         micro_batches=config.train.grad_accum,
         grad_sync="per_micro_batch",
     )

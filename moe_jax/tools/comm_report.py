@@ -3,7 +3,7 @@
 Compiles one training step of the plan on the current devices (nothing is
 run, inputs are abstract) and lists the collectives XLA emitted, then checks
 the activation traffic per MoE layer against the analytic prediction of
-`moe_jax.parallel.comm_volume`. Why: a layout's communication volume is its
+`moe_jax.plan.comm_volume`. Why: a layout's communication volume is its
 reason to exist; this shows what the compiled program really moves.
 
 On a machine without 8 accelerators, force CPU devices:
@@ -47,8 +47,9 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from moe_jax import config as config_lib
-from moe_jax.parallel import comm_volume
 from moe_jax.parallel import mesh as mesh_lib
+from moe_jax.plan import comm_volume
+from moe_jax.plan.resolve import check_plan
 from moe_jax.tools import hlo_collectives
 from moe_jax.train_step import init_state, train_step
 
@@ -60,9 +61,7 @@ CONVENTION = (
 
 def validated(config: config_lib.Config, num_devices: int) -> config_lib.Config:
     """The resolved plan, or a one-line ValueError before anything is compiled."""
-    config = mesh_lib.resolve(config, num_devices)
-    mesh_lib.check_plan(config, num_devices)
-    return config
+    return check_plan(config, num_devices)
 
 
 def compile_step(config: config_lib.Config, compiler_options: dict | None = None) -> str:
@@ -133,6 +132,7 @@ def summarize(config: config_lib.Config, collectives: list) -> dict:
         "grad_accum": config.train.grad_accum,
         "counts_known": all(c.count_known for c in collectives),
         "collectives": [c.as_dict() for c in rows],
+        "paper_equations": list(comm_volume.paper_equations(config)),
     }
 
 
@@ -205,9 +205,7 @@ def format_report(result: dict) -> str:
         f"  measured / predicted = {ratio}",
     ]
     if a["paper"] is not None:
-        eq = comm_volume.PAPER_EQUATION
-        attention = eq.get(result["attention"], "no exchange")
-        experts = eq.get(result["experts"], "?")
+        attention, experts = result["paper_equations"]
         lines.append(
             f"  paper     {a['paper']['attention'] + a['paper']['experts']:>14,.0f}  "
             f"(attention {attention}: {a['paper']['attention']:,.0f}, experts {experts}: "

@@ -1,0 +1,100 @@
+"""The one registry of parallel layouts: every attention and expert layout's spec.
+
+`parallel.attention` and `parallel.experts` name an entry here; everything else
+(the mesh, the blocks, parameter placement, the config check, the planner's
+candidates and models) reads the spec. Adding a layout is one new spec in the
+module that holds its block function, listed below.
+"""
+
+from __future__ import annotations
+
+from moe_jax.parallel.expert_parallel import EP_A2A, EP_AG, EP_ETP, ETP
+from moe_jax.parallel.fsdp import FSDP
+from moe_jax.parallel.layout import DATA, DP, EXPERT, TENSOR
+from moe_jax.parallel.ragged_exchange import EP_A2A_RAGGED
+from moe_jax.parallel.spec import AttentionSpec, ExpertSpec
+from moe_jax.parallel.tensor_parallel import TP
+from moe_jax.parallel.ulysses import SP
+
+ATTENTION: dict[str, AttentionSpec] = {s.name: s for s in (DP, FSDP, TP, SP)}
+EXPERTS: dict[str, ExpertSpec] = {s.name: s for s in (EP_A2A, EP_A2A_RAGGED, EP_AG, ETP, EP_ETP)}
+# Expert weights are always placed this way; the mesh shape decides the split.
+EXPERT_RULES = (("experts", EXPERT), ("expert_mlp", TENSOR))
+
+
+def attention_spec(config) -> AttentionSpec:
+    return ATTENTION[config.parallel.attention]
+
+
+def expert_spec(config) -> ExpertSpec:
+    """The spec of a resolved `parallel.experts` (not 'auto': see moe_jax.plan.resolve)."""
+    name = config.parallel.experts
+    if name not in EXPERTS:
+        raise ValueError(f"parallel.experts={name!r} must be resolved first (moe_jax.plan)")
+    return EXPERTS[name]
+
+
+def expert_split(config) -> tuple[int, int]:
+    """(expert, tensor) sizes of the intra group for the resolved expert layout."""
+    return expert_spec(config).split(config.parallel)
+
+
+def mesh_sizes(config) -> dict[str, int]:
+    """Sizes of the mesh axes of a resolved plan."""
+    expert, tensor = expert_split(config)
+    return {DATA: config.parallel.data, EXPERT: expert, TENSOR: tensor}
+
+
+def param_rules(config) -> tuple:
+    """Logical parameter axes -> mesh axes for the plan (unnamed axes are replicated)."""
+    return attention_spec(config).rules(config) + EXPERT_RULES
+
+
+def problems(config, num_devices: int, platform: str) -> list[str]:
+    """Every reason a resolved plan cannot run on `num_devices` devices of `platform`
+    ('cpu', 'gpu', 'tpu'), as one-line messages in the order they are checked."""
+    p, e, t = config.parallel, config.moe, config.train
+    attention, experts = attention_spec(config), expert_spec(config)
+    found = []
+    if p.data * p.intra != num_devices:
+        found.append(
+            f"parallel.data * parallel.intra = {p.data} * {p.intra} must equal the "
+            f"{num_devices} devices"
+        )
+    if e.impl == "capacity" and p.intra != 1:
+        found.append(
+            "moe.impl='capacity' runs on one device only for now; use 'auto' with parallel.intra>1"
+        )
+    if platform in experts.platforms_without:
+        found.append(
+            f"parallel.experts={experts.name!r} needs a GPU (XLA:{platform.upper()} does not "
+            "implement ragged_all_to_all); use 'ep_a2a' on CPU"
+        )
+    own = experts.problems(config)
+    found += own
+    if not own:
+        ep, tp = expert_split(config)
+        if e.num_experts % ep:
+            found.append(
+                f"moe.num_experts={e.num_experts} must be divisible by the {ep} expert-parallel "
+                f"devices of parallel.experts={experts.name!r}"
+            )
+        if e.expert_mlp_dim % tp:
+            found.append(
+                f"moe.expert_mlp_dim={e.expert_mlp_dim} must be divisible by the {tp} "
+                f"expert-tensor-parallel devices of parallel.experts={experts.name!r}"
+            )
+    batch_split = p.data * (p.intra if set(attention.batch_axes) & {EXPERT, TENSOR} else 1)
+    if t.batch_size % (batch_split * t.grad_accum):
+        found.append(
+            f"train.batch_size={t.batch_size} must be divisible by {batch_split * t.grad_accum} "
+            f"(the batch split of parallel.attention={attention.name!r} times train.grad_accum)"
+        )
+    return found + attention.problems(config)
+
+
+def check(config, num_devices: int, platform: str) -> None:
+    """Raises a one-line ValueError for the first reason the resolved plan cannot run."""
+    found = problems(config, num_devices, platform)
+    if found:
+        raise ValueError(found[0])
