@@ -1,13 +1,35 @@
 # Two commands: `make train` and `make test`. Both build .venv when it is
-# missing or older than the requirements files.
-PYTHON ?= python3
+# missing, older than the requirements files, or made by a Python older than 3.12.
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: train test lint format bench clean
+# moe_jax needs Python 3.12+. Every candidate is run, not just looked up: `python3`
+# may be older, and pyenv's `python3.12` shim exists but fails unless pyenv selects it.
+PY_CHECK := -c 'import sys; assert sys.version_info >= (3, 12); print(sys.executable)'
+# The first candidate that works, else stop with one line.
+find_python = $(or $(shell for p in $(PY_CANDIDATES); do "$$p" $(PY_CHECK) 2>/dev/null && break; \
+  done),$(error $(PY_MISSING)))
+ifneq ($(filter command line environment,$(origin PYTHON)),)
+  # Given by the user: the only candidate, checked on every run.
+  PY_CANDIDATES = $(PYTHON)
+  PY_MISSING = PYTHON=$(PYTHON) is not a working Python 3.12 or newer, which moe_jax needs
+  BASE_PYTHON := $(find_python)
+else
+  # Searched only when .venv is (re)built; 3.12 first (what the GPU machines run), then
+  # newer ones, then pyenv's installed interpreters in the same order.
+  PY_CANDIDATES = python3.12 python3.13 python3 $$(for root in "$$(pyenv root 2>/dev/null)" \
+    "$$HOME/.pyenv"; do ls -d "$$root"/versions/3.1[2-9]*/bin/python 2>/dev/null | sort -V; done)
+  PY_MISSING = moe_jax needs Python 3.12 or newer; install it (e.g. apt-get install python3.12 \
+    python3.12-venv, or pyenv install 3.12) or pass PYTHON=/path/to/python3.12
+  BASE_PYTHON = $(find_python)
+endif
+# A .venv of an older (or vanished) Python is rebuilt, even when its stamps are newer.
+VENV_OK := $(shell $(PY) $(PY_CHECK) >/dev/null 2>&1 && echo yes)
 
-$(VENV)/.runtime: requirements.txt pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+.PHONY: train test lint format bench clean FORCE
+
+$(VENV)/.runtime: requirements.txt pyproject.toml $(if $(VENV_OK),,FORCE)
+	$(if $(VENV_OK),,rm -rf $(VENV) && $(BASE_PYTHON) -m venv $(VENV))
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements.txt
 	$(PY) -m pip install --quiet --no-deps -e .

@@ -110,7 +110,7 @@ def loss_fn(params, biases, graphdef, batch, config: Config):
     return loss, metrics
 
 
-def _gradients(state: TrainState, graphdef, batch, config: Config):
+def gradients(state: TrainState, graphdef, batch, config: Config):
     """Mean loss metrics and gradients over `grad_accum` micro-batches."""
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     micro = config.train.grad_accum
@@ -139,7 +139,13 @@ def train_step(graphdef, config: Config, state: TrainState, batch):
     A step whose loss or gradient norm is not finite changes nothing but the
     step counter and reports `skipped=1`.
     """
-    metrics, grads = _gradients(state, graphdef, batch, config)
+    metrics, grads = gradients(state, graphdef, batch, config)
+    return apply_gradients(config, state, metrics, grads)
+
+
+def apply_gradients(config: Config, state: TrainState, metrics: dict, grads):
+    """The AdamW and router-bias updates of one step from its gradients and metrics."""
+    metrics = dict(metrics)
     tx = make_optimizer(config.train)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)

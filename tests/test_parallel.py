@@ -1,69 +1,24 @@
 """Parallel layouts on 8 forced CPU devices: equal to one device, and the compiled
-program holds the collectives the layout promises."""
+program holds the collectives the layout promises.
+
+Every plan's training step is compiled once per session (`tests/layouts.py`): the
+first step's metrics and gradients, the parameters after three AdamW steps and the
+collective guards all come from that one program.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
 
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
-from moe_jax.config import Config, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
-from moe_jax.model.transformer import Transformer
-from moe_jax.moe.block import RouterBias
-from moe_jax.parallel import mesh as mesh_lib
+from moe_jax.config import MoEConfig, ParallelConfig, TrainConfig
 from moe_jax.plan.resolve import check_plan, resolve
 from moe_jax.tools import hlo_collectives
-from moe_jax.train_step import loss_fn
-
-BASE = Config(
-    model=ModelConfig(
-        num_layers=2, first_k_dense=0, embed_dim=32, num_heads=8, num_kv_heads=2, head_dim=8
-    ),
-    moe=MoEConfig(num_experts=8, top_k=2, expert_mlp_dim=16, aux_loss_coef=0.1, z_loss_coef=0.01),
-    train=TrainConfig(batch_size=8, seq_len=16),
-)
-
-
-# Halves XLA:CPU compile time; these tests check numbers and collectives, not speed.
-FAST_COMPILE = {"xla_backend_optimization_level": 0}
-
-
-def _with_plan(attention: str, data: int, intra: int, experts: str = "ep_ag") -> Config:
-    plan = ParallelConfig(attention=attention, experts=experts, intra=intra, data=data)
-    return dataclasses.replace(BASE, parallel=plan)
-
-
-def _batch() -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, BASE.model.vocab_size, (8, 17)).astype(np.int32)
-    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
-
-
-def _loss_and_grads(config: Config, layout=None):
-    kwargs = {} if layout is None else {"layout": layout}
-    model = Transformer(config.model, config.moe, rngs=nnx.Rngs(0), **kwargs)
-    graphdef, params, biases = nnx.split(model, nnx.Param, RouterBias)
-    batch = _batch()
-    grad_fn = jax.value_and_grad(partial(loss_fn, graphdef=graphdef, config=config), has_aux=True)
-    fn = jax.jit(lambda params, biases, batch: grad_fn(params, biases, batch=batch))
-    if layout is not None:
-        params = jax.device_put(params, mesh_lib.state_shardings(params, layout))
-        biases = jax.device_put(biases, mesh_lib.state_shardings(biases, layout))
-        sharding = mesh_lib.batch_sharding(layout)
-        batch = {k: jax.device_put(v, sharding) for k, v in batch.items()}
-    compiled = fn.lower(params, biases, batch).compile(compiler_options=FAST_COMPILE)
-    (loss, metrics), grads = compiled(params, biases, batch)
-    return loss, metrics, grads, compiled.as_text()
-
-
-@pytest.fixture(scope="module")
-def single_device():
-    return _loss_and_grads(BASE)
-
+from tests import layouts
+from tests.layouts import BASE, assert_trees_close, planned, reference, with_plan
 
 MESHES = [(2, 4), (1, 8)]
 ATTENTION = ("dp", "fsdp", "tp", "sp")
@@ -71,31 +26,21 @@ EXPERTS = ("ep_ag", "ep_a2a", "etp", "ep_etp")
 PLANS = [(a, e, d, n) for a in ATTENTION for e in EXPERTS for d, n in MESHES]
 
 
+def _assert_first_step_matches(got: layouts.Run, want: layouts.Run, rtol=1e-5) -> None:
+    for key in ("loss", "lm_loss", "aux_loss", "seq_aux_loss", "z_loss"):
+        np.testing.assert_allclose(got.metrics[key], want.metrics[key], rtol=rtol, err_msg=key)
+    np.testing.assert_array_equal(got.metrics["load"], want.metrics["load"])
+    assert_trees_close(got.grads, want.grads, rtol)
+
+
 @pytest.mark.parametrize("attention,experts,data,intra", PLANS)
-def test_layout_matches_single_device(
-    single_device, attention: str, experts: str, data: int, intra: int
-):
-    config = _with_plan(attention, data, intra, experts)
-    config = check_plan(config, jax.device_count())
-    mesh = mesh_lib.make_mesh(config)
-    loss, metrics, grads, _ = _loss_and_grads(config, mesh_lib.make_layout(config, mesh))
-    ref_loss, ref_metrics, ref_grads, _ = single_device
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-    for key in ("lm_loss", "aux_loss", "seq_aux_loss", "z_loss"):
-        np.testing.assert_allclose(metrics[key], ref_metrics[key], rtol=1e-5, err_msg=key)
-    np.testing.assert_array_equal(metrics["load"], ref_metrics["load"])
-    flat, ref_flat = jax.tree.leaves_with_path(grads), jax.tree.leaves_with_path(ref_grads)
-    for (path, got), (_, want) in zip(flat, ref_flat, strict=True):
-        scale = float(np.abs(want).max())
-        np.testing.assert_allclose(
-            got, want, rtol=1e-5, atol=1e-5 * scale, err_msg=jax.tree_util.keystr(path)
-        )
+def test_layout_matches_single_device(attention: str, experts: str, data: int, intra: int):
+    config = with_plan(attention, data, intra, experts)
+    _assert_first_step_matches(planned(config), reference(BASE))
 
 
 def _program(attention: str, experts: str) -> str:
-    config = _with_plan(attention, 2, 4, experts)
-    layout = mesh_lib.make_layout(config, mesh_lib.make_mesh(config))
-    return _loss_and_grads(config, layout)[3]
+    return planned(with_plan(attention, 2, 4, experts)).hlo
 
 
 def _exchanges(hlo: str, block: str) -> dict[str, list]:
@@ -200,7 +145,7 @@ def test_trainer_runs_each_layout(tmp_path, attention: str, experts: str, data: 
     from moe_jax.metrics import read_rows
 
     config = dataclasses.replace(
-        _with_plan(attention, data, intra, experts),
+        with_plan(attention, data, intra, experts),
         train=TrainConfig(batch_size=8, seq_len=16, steps=3, log_every=1, eval_batches=1),
         data=DataConfig(source="synthetic"),
     )
@@ -228,60 +173,16 @@ def test_auto_expert_layout_follows_the_papers_rule(top_k: int, intra: int, expe
     assert resolved.parallel.data == 8 // intra
 
 
-def _three_steps(config: Config, layout=None):
-    from moe_jax.train_step import init_state, train_step
-
-    kwargs = {} if layout is None else {"layout": layout}
-    graphdef, state = init_state(config, **kwargs)
-    batch = _batch()
-    shardings = {}
-    if layout is not None:
-        state_sharding = mesh_lib.train_state_shardings(state, layout, config.parallel.zero)
-        state = jax.device_put(state, state_sharding)
-        sharding = mesh_lib.batch_sharding(layout)
-        batch = {k: jax.device_put(v, sharding) for k, v in batch.items()}
-        shardings = {
-            "in_shardings": (state_sharding, sharding),
-            "out_shardings": (state_sharding, None),
-        }
-    step = jax.jit(partial(train_step, graphdef, config), donate_argnums=0, **shardings)
-    step = step.lower(state, batch).compile(compiler_options=FAST_COMPILE)
-    for _ in range(3):
-        state, _ = step(state, batch)
-    return state
-
-
-SINGLE = dataclasses.replace(BASE, moe=dataclasses.replace(BASE.moe, bias_update_rate=1e-3))
-
-
-@pytest.fixture(scope="module")
-def three_single_device_steps():
-    return _three_steps(SINGLE)
-
-
-STEP_PLANS = [(a, e, 2, 4, 0) for a in ATTENTION for e in EXPERTS]
-STEP_PLANS += [("sp", "ep_a2a", 1, 8, 0), ("tp", "etp", 1, 8, 0), ("dp", "ep_ag", 2, 4, 1)]
+STEP_PLANS = [(a, e, d, n, 0) for a in ATTENTION for e in EXPERTS for d, n in MESHES]
+STEP_PLANS += [("dp", "ep_ag", 2, 4, 1)]
 
 
 @pytest.mark.parametrize("attention,experts,data,intra,zero", STEP_PLANS)
-def test_three_optimizer_steps_match_single_device(
-    three_single_device_steps, attention, experts, data, intra, zero
-):
+def test_three_optimizer_steps_match_single_device(attention, experts, data, intra, zero):
     """Params and router biases (sign-rule updates included) after three AdamW steps."""
-    plan = dataclasses.replace(_with_plan(attention, data, intra, experts).parallel, zero=zero)
-    config = dataclasses.replace(SINGLE, parallel=plan)
-    layout = mesh_lib.make_layout(config, mesh_lib.make_mesh(config))
-    got, want = _three_steps(config, layout), three_single_device_steps
-    pairs = zip(
-        jax.tree.leaves_with_path((want.params, want.biases)),
-        jax.tree.leaves((got.params, got.biases)),
-        strict=True,
-    )
-    for (path, expected), actual in pairs:
-        scale = float(np.abs(expected).max())
-        np.testing.assert_allclose(
-            actual, expected, rtol=1e-5, atol=1e-5 * scale, err_msg=jax.tree_util.keystr(path)
-        )
+    got = planned(with_plan(attention, data, intra, experts, zero=zero)).state
+    want = reference(BASE).state
+    assert_trees_close((got.params, got.biases), (want.params, want.biases))
     if zero:  # each data group keeps half of every optimizer moment
         for moment in jax.tree.leaves(got.opt_state):
             if moment.ndim and moment.size > 1:

@@ -33,8 +33,8 @@ from moe_jax.config import Config, ModelConfig, MoEConfig, ParallelConfig, Train
 from moe_jax.model.transformer import Transformer
 from moe_jax.moe.block import RouterBias
 from moe_jax.parallel import mesh as mesh_lib
-from moe_jax.plan.resolve import check_plan
 from moe_jax.plan import memory, param_traffic
+from moe_jax.plan.resolve import check_plan
 from moe_jax.tools import comm_report
 from moe_jax.train_step import init_state, loss_fn
 

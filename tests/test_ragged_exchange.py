@@ -25,7 +25,6 @@ from moe_jax.moe.experts import ExpertWeights
 from moe_jax.moe.routing import Routing
 from moe_jax.parallel import mesh as mesh_lib
 from moe_jax.parallel import registry
-from moe_jax.plan.resolve import check_plan
 from moe_jax.parallel.expert_parallel import EP_A2A
 from moe_jax.parallel.ragged_exchange import (
     EP_A2A_RAGGED,
@@ -34,7 +33,9 @@ from moe_jax.parallel.ragged_exchange import (
     received_experts,
     send_header,
 )
-from tests.test_parallel import BASE, MESHES, _loss_and_grads, _with_plan
+from moe_jax.plan.resolve import check_plan
+from tests.layouts import BASE, loss_and_grads, reference, with_plan
+from tests.test_parallel import MESHES
 
 on_cpu = jax.default_backend() == "cpu"
 needs_device = pytest.mark.skipif(on_cpu, reason="XLA:CPU does not implement ragged_all_to_all")
@@ -188,15 +189,10 @@ def exchange(request, monkeypatch):
 
 
 def _layout(data: int, intra: int, spec=EP_A2A_RAGGED, attention: str = "dp"):
-    config = _with_plan(attention, data, intra, "ep_a2a")
+    config = with_plan(attention, data, intra, "ep_a2a")
     config = check_plan(config, jax.device_count())
     layout = mesh_lib.make_layout(config, mesh_lib.make_mesh(config))
     return config, dataclasses.replace(layout, expert_spec=spec)
-
-
-@pytest.fixture(scope="module")
-def single_device():
-    return _loss_and_grads(BASE)
 
 
 def _assert_close(got, want, rtol=1e-5):
@@ -210,10 +206,11 @@ def _assert_close(got, want, rtol=1e-5):
 @needs_8
 @pytest.mark.parametrize("exchange", EXCHANGES, indirect=True)
 @pytest.mark.parametrize("attention,data,intra", [("dp", d, n) for d, n in MESHES] + [("sp", 2, 4)])
-def test_matches_single_device(single_device, exchange, attention: str, data: int, intra: int):
+def test_matches_single_device(exchange, attention: str, data: int, intra: int):
     config, layout = _layout(data, intra, attention=attention)
-    loss, metrics, grads, _ = _loss_and_grads(config, layout)
-    ref_loss, ref_metrics, ref_grads, _ = single_device
+    loss, metrics, grads = loss_and_grads(config, layout)
+    ref = reference(BASE)
+    ref_loss, ref_metrics, ref_grads = ref.metrics["loss"], ref.metrics, ref.grads
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     for key in ("lm_loss", "aux_loss", "seq_aux_loss", "z_loss"):
         np.testing.assert_allclose(metrics[key], ref_metrics[key], rtol=1e-5, err_msg=key)

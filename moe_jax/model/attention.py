@@ -12,7 +12,7 @@ from flax import nnx
 
 from moe_jax.config import ModelConfig
 from moe_jax.model.axes import param
-from moe_jax.model.layers import rotary
+from moe_jax.model.layers import cast_like, rotary
 from moe_jax.parallel.layout import SINGLE_DEVICE, Layout
 
 
@@ -44,7 +44,7 @@ def attention_block(
     arrive as stored (float32) and are cast here, inside the layout, so that their
     gradients are reduced in float32.
     """
-    w = jax.tree.map(lambda a: a.astype(x.dtype), w)
+    w = cast_like(w, x)
     q = rotary(jnp.einsum("bsd,dhk->bshk", x, w.query), positions, theta)
     k = rotary(jnp.einsum("bsd,dhk->bshk", x, w.key), positions, theta)
     v = jnp.einsum("bsd,dhk->bshk", x, w.value)

@@ -3,8 +3,9 @@
 Model code names axes only logically ('batch', 'seq', 'embed', 'heads',
 'kv_heads', 'head_dim', 'mlp', 'experts', 'vocab', 'layers'). How those map
 onto mesh axes is decided in `moe_jax.parallel`: parameters by the layout's
-`param_rules`, activations between blocks by `Layout.constrain` ('batch' and
-'seq' to where the attention layout splits them).
+`param_rules`. Activations carry no annotation: each layout's `shard_map` specs
+say where they are between blocks (`Layout.activation_spec`), and under plain
+data parallelism GSPMD follows the batch.
 """
 
 from __future__ import annotations

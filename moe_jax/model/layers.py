@@ -12,6 +12,19 @@ from moe_jax.model.axes import ones_param, param
 from moe_jax.parallel.layout import SINGLE_DEVICE, Layout
 
 
+def cast_like(weights, x: jax.Array):
+    """Weights (a tree, stored float32) cast to `x`'s dtype where `x` is computed on.
+
+    Inside a layout's `shard_map`, a weight replicated over devices meets tokens that
+    vary over them; JAX reduces the weight's gradient over those devices at the point
+    where the two meet. Adding a zero taken from `x` before the cast moves that point
+    before the cast, so the reduction runs on the float32 gradient, not a bfloat16 one.
+    On one device it changes nothing.
+    """
+    zero = jnp.zeros_like(x.reshape(-1)[0], dtype=jnp.float32)
+    return jax.tree.map(lambda w: (w + zero.astype(w.dtype)).astype(x.dtype), weights)
+
+
 class RMSNorm(nnx.Module):
     """Root-mean-square norm, computed in float32 whatever the compute dtype."""
 
@@ -64,7 +77,7 @@ MLP_AXES = MLPWeights(gate=("embed", "mlp"), up=("embed", "mlp"), down=("mlp", "
 def mlp_block(x: jax.Array, w: MLPWeights) -> jax.Array:
     """SwiGLU on whatever hidden columns `w` holds (a layout may hand it a shard); the
     float32 weights are cast to the compute dtype here, inside the layout."""
-    w = jax.tree.map(lambda a: a.astype(x.dtype), w)
+    w = cast_like(w, x)
     return (jax.nn.silu(x @ w.gate) * (x @ w.up)) @ w.down
 
 

@@ -27,7 +27,6 @@ class Block(nnx.Module):
         self.attn_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
         self.attn = Attention(cfg, rngs=rngs, layout=layout)
         self.ffn_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
-        self.layout = layout
         if moe is None:
             self.ffn = MLP(cfg.embed_dim, cfg.mlp_dim, rngs=rngs, layout=layout)
         else:
@@ -35,12 +34,11 @@ class Block(nnx.Module):
 
     def __call__(self, x: jax.Array, positions: jax.Array):
         x = x + self.attn(self.attn_norm(x), positions)
-        x = self.layout.constrain(x, ("batch", "seq", "embed"))
         out = self.ffn(self.ffn_norm(x))
         stats = None
         if isinstance(out, tuple):
             out, stats = out
-        return self.layout.constrain(x + out, ("batch", "seq", "embed")), stats
+        return x + out, stats
 
 
 class Unit(nnx.Module):
@@ -90,7 +88,6 @@ class Transformer(nnx.Module):
         self, cfg: ModelConfig, moe: MoEConfig, *, rngs: nnx.Rngs, layout: Layout = SINGLE_DEVICE
     ):
         self.cfg = cfg
-        self.layout = layout
         self.embed = Embed(cfg.vocab_size, cfg.embed_dim, rngs=rngs)
         self.dense = (
             Stack(cfg, None, 1, cfg.first_k_dense, rngs=rngs, layout=layout)
@@ -112,7 +109,7 @@ class Transformer(nnx.Module):
     def __call__(self, tokens: jax.Array) -> tuple[jax.Array, MoEStats | None]:
         dtype = jnp.dtype(self.cfg.dtype)
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-        x = self.layout.constrain(self.embed(tokens, dtype), ("batch", "seq", "embed"))
+        x = self.embed(tokens, dtype)
         stats = None
         if self.dense is not None:
             x, _ = self.dense(x, positions)
@@ -124,4 +121,4 @@ class Transformer(nnx.Module):
         else:
             head = self.head[...].astype(dtype)
             logits = jnp.einsum("bsd,dv->bsv", x, head, preferred_element_type=jnp.float32)
-        return self.layout.constrain(logits, ("batch", "seq", "vocab")), stats
+        return logits, stats

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from moe_jax.config import MoEConfig
 from moe_jax.kernels.grouped_matmul import ragged_gmm, tiled_gmm
+from moe_jax.model.layers import cast_like
 from moe_jax.moe import dispatch as dsp
 from moe_jax.moe.routing import Routing
 
@@ -89,7 +90,7 @@ def compute(
     """The expert output of `moe.impl` (weights cast to the rows' dtype here, inside any
     layout, so that their gradients are reduced as stored: float32). `slots`: see
     `capacity`; the dropless implementations need none."""
-    w = jax.tree.map(lambda a: a.astype(x.dtype), w)
+    w = cast_like(w, x)
     name = resolve_impl(cfg)
     if slots is not None and name == "capacity":
         return capacity(x, routing, w, cfg, slots)

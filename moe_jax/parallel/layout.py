@@ -1,7 +1,7 @@
 """A model's layout as data: which spec runs each block kind, on which mesh.
 
-Model code calls `layout.attention(...)`, `layout.mlp(...)`, `layout.moe(...)` and
-`layout.constrain(...)` and never asks which layout it is in. `Layout()` (no mesh)
+Model code calls `layout.attention(...)`, `layout.mlp(...)` and `layout.moe(...)`
+and never asks which layout it is in. `Layout()` (no mesh)
 is the single-device layout; `moe_jax.parallel.mesh.make_layout` builds the others
 from a resolved plan and the specs in `moe_jax.parallel.registry`.
 
@@ -17,7 +17,6 @@ import dataclasses
 import math
 
 import jax
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moe_jax.moe.dispatcher import TokenDispatcher
@@ -117,15 +116,6 @@ class Layout:
     def activation_spec(self, rank: int = 3) -> P:
         """[batch, seq, ...] as the layout leaves activations between blocks."""
         return P(self.batch_axes or None, self.seq_axes or None, *([None] * (rank - 2)))
-
-    def constrain(self, x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
-        """Pins an activation with logical axes ('batch', 'seq', anything else whole) to
-        where the layout keeps it between blocks; on one device, nothing to pin."""
-        if self.mesh is None:
-            return x
-        rules = {"batch": self.batch_axes or None, "seq": self.seq_axes or None}
-        spec = P(*(rules.get(name) for name in names))
-        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
 
 SINGLE_DEVICE = Layout()
