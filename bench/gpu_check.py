@@ -117,7 +117,8 @@ def main() -> None:
     report["ok"] = all(v < 1e-4 for v in report["max_rel_error"].values())
     report["ragged_exchange"] = gpu_ragged_exchange.run(args.small)
     report["ok"] = report["ok"] and report["ragged_exchange"]["ok"]
-    print(json.dumps(report))
+    print(json.dumps(report), flush=True)
+    raise SystemExit(0 if report["ok"] else 1)  # a failed check fails the command too
 
 
 if __name__ == "__main__":

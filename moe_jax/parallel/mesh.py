@@ -72,19 +72,27 @@ def train_state_shardings(state, layout: Layout, zero: int):
     return shardings
 
 
+def placement(layout: Layout, names, shape: tuple[int, ...], data: int, over_data: bool) -> list:
+    """Mesh axes of each dimension of an array with logical axes `names`: by the layout's
+    rules; `over_data` (ZeRO-1 moments) also splits the first unsplit dimension that
+    `data` divides over 'data'. The planner's memory model places arrays with this too."""
+    spec = list(layout.param_spec(names))
+    spec += [None] * (len(shape) - len(spec))
+    if over_data and data > 1 and DATA not in spec:
+        free = [i for i, axis in enumerate(spec) if axis is None and shape[i] % data == 0]
+        if free:
+            spec[free[0]] = DATA
+    return spec
+
+
 def _shardings(state, layout: Layout, over_data: bool):
     data = layout.mesh.shape[DATA]
 
     def spec(leaf):
         if not isinstance(leaf, nnx.Variable):
             return NamedSharding(layout.mesh, P())
-        spec = list(layout.param_spec(leaf.get_metadata().get("out_sharding") or ()))
-        shape = leaf.get_value().shape
-        if over_data and data > 1 and DATA not in spec:
-            spec += [None] * (len(shape) - len(spec))
-            free = [i for i, axis in enumerate(spec) if axis is None and shape[i] % data == 0]
-            if free:
-                spec[free[0]] = DATA
-        return leaf.replace(NamedSharding(layout.mesh, P(*spec)))
+        names = leaf.get_metadata().get("out_sharding") or ()
+        axes = placement(layout, names, leaf.get_value().shape, data, over_data)
+        return leaf.replace(NamedSharding(layout.mesh, P(*axes)))
 
     return jax.tree.map(spec, state, is_leaf=lambda x: isinstance(x, nnx.Variable))

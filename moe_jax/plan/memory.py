@@ -22,7 +22,7 @@ from flax import nnx
 
 from moe_jax.config import Config, ModelConfig, MoEConfig, TrainConfig
 from moe_jax.moe.experts import resolve_impl
-from moe_jax.parallel import registry
+from moe_jax.parallel import mesh, registry
 from moe_jax.parallel.layout import DATA, INTRA, Layout
 from moe_jax.plan.comm_volume import DTYPE_BYTES
 from moe_jax.train_step import init_state
@@ -103,14 +103,9 @@ def placement(config: Config, array: StateArray, shape: tuple[int, ...] | None =
     by the plan's rules; with ZeRO-1 a moment also goes over 'data' on its first
     unsplit dimension divisible by the data size."""
     shape = array.shape if shape is None else shape
-    spec = list(Layout(param_rules=registry.param_rules(config)).param_spec(array.names))
-    spec += [None] * (len(shape) - len(spec))
-    data = config.parallel.data
-    if array.moment and config.parallel.zero and data > 1 and DATA not in spec:
-        free = [i for i, axis in enumerate(spec) if axis is None and shape[i] % data == 0]
-        if free:
-            spec[free[0]] = DATA
-    return spec
+    layout = Layout(param_rules=registry.param_rules(config))
+    over_data = array.moment and bool(config.parallel.zero)
+    return mesh.placement(layout, array.names, shape, config.parallel.data, over_data)
 
 
 def split_of(axes, sizes: dict[str, int]) -> int:
@@ -211,7 +206,7 @@ class _Sizes:
 def _sizes(config: Config, micro_batch: int | None) -> _Sizes:
     p, t = config.parallel, config.train
     if p.data < 1 or p.experts == "auto":
-        raise ValueError("memory_per_device needs a resolved plan (see mesh.resolve)")
+        raise ValueError("memory_per_device needs a resolved plan (see moe_jax.plan.resolve)")
     b = micro_batch if micro_batch is not None else t.batch_size // (p.data * t.grad_accum)
     m = config.model
     return _Sizes(b=b, s=t.seq_len, h=m.embed_dim, n=p.intra, B=DTYPE_BYTES[m.dtype])

@@ -125,7 +125,7 @@ def _zero_gather(config: Config, array: StateArray) -> float:
 
 def _params(config: Config) -> list[StateArray]:
     if config.parallel.data < 1 or config.parallel.experts == "auto":
-        raise ValueError("param_traffic needs a resolved plan (see mesh.resolve)")
+        raise ValueError("param_traffic needs a resolved plan (see moe_jax.plan.resolve)")
     return [a for a in state_arrays(config) if a.part == "params"]
 
 
