@@ -85,8 +85,14 @@ class Checkpointer:
         )
 
     def restore(self, step: int, like):
-        """(state, data_state) of `step`, with `like`'s structure, shapes and shardings."""
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
+        """(state, data_state) of `step`, with `like`'s structure, shapes and shardings
+        (arrays, or `jax.ShapeDtypeStruct`s carrying shardings: read straight into them)."""
+        abstract = jax.tree.map(
+            lambda x: (
+                x if isinstance(x, jax.ShapeDtypeStruct) else ocp.utils.to_shape_dtype_struct(x)
+            ),
+            like,
+        )
         restored = self.manager.restore(
             step,
             args=ocp.args.Composite(

@@ -85,6 +85,30 @@ def init_state(config: Config, layout: Layout = SINGLE_DEVICE):
     return graphdef, TrainState(jnp.zeros((), jnp.int32), params, biases, opt_state, rng)
 
 
+def abstract_state(config: Config, layout: Layout, shardings=None):
+    """(graphdef, TrainState of shapes): nothing is computed or allocated. With
+    `shardings` (a tree like the state) each leaf carries its placement, the form a
+    restore reads into."""
+    graphdef, state = jax.eval_shape(lambda: init_state(config, layout))
+    if shardings is not None:
+        state = jax.tree.map(
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), state, shardings
+        )
+    return graphdef, state
+
+
+def init_program(config: Config, layout: Layout, shardings):
+    """The jitted program that creates the initial TrainState with its outputs already
+    placed by `shardings`: each device computes only its shards, so no array ever exists
+    whole on one device (a Mixtral-sized model never fits on one)."""
+    return jax.jit(lambda: init_state(config, layout)[1], out_shardings=shardings)
+
+
+def init_placed(config: Config, layout: Layout, shardings):
+    """The initial TrainState, made by `init_program`."""
+    return init_program(config, layout, shardings)()
+
+
 def loss_fn(params, biases, graphdef, batch, config: Config):
     """Total loss and its parts; MoE terms are summed over MoE layers."""
     logits, stats = nnx.merge(graphdef, params, biases)(batch["inputs"])

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from moe_jax import config as config_lib
@@ -26,7 +27,13 @@ from moe_jax.parallel import mesh as mesh_lib
 from moe_jax.plan.resolve import check_plan
 from moe_jax.plots import plot_run
 from moe_jax.preemption import StopRequest
-from moe_jax.train_step import eval_step, init_state, train_step
+from moe_jax.train_step import abstract_state, eval_step, init_placed, train_step
+
+
+@jax.jit
+def _count_bad(bad: tuple[jax.Array, jax.Array], skipped: jax.Array):
+    in_a_row, since_log = bad
+    return jnp.where(skipped > 0, in_a_row + 1, 0), since_log + skipped
 
 
 class RunError(Exception):
@@ -96,15 +103,19 @@ def run(config: config_lib.Config, workdir: str | Path) -> dict[str, Any]:
     except ValueError as error:
         raise RunError(str(error)) from None
 
-    graphdef, state = init_state(config, layout)
-    state_sharding = mesh_lib.train_state_shardings(state, layout, config.parallel.zero)
-    # Placed as the step's outputs will be, so step 1 does not compile twice.
-    state = jax.device_put(state, state_sharding)
+    # The state is built (or read) straight into the plan's shardings, placed as the
+    # step's outputs will be, so nothing exists whole on one device and step 1 does not
+    # compile twice.
+    graphdef, abstract = abstract_state(config, layout)
+    state_sharding = mesh_lib.train_state_shardings(abstract, layout, config.parallel.zero)
     start = checkpoints.latest_step() or 0
     if start:
-        state, data_state = checkpoints.restore(start, state)
+        _, target = abstract_state(config, layout, state_sharding)
+        state, data_state = checkpoints.restore(start, target)
         train_batches.set_state(data_state)
         say(f"resumed from {checkpoints.directory / str(start)}")
+    else:
+        state = init_placed(config, layout, state_sharding)
     workdir.mkdir(parents=True, exist_ok=True)
     if process == 0:  # one writer for the run's files in a multi-process job
         (workdir / "config.json").write_text(json.dumps(config_dict, indent=2) + "\n")
@@ -113,6 +124,7 @@ def run(config: config_lib.Config, workdir: str | Path) -> dict[str, Any]:
         partial(train_step, graphdef, config),
         in_shardings=(state_sharding, sharding),
         out_shardings=(state_sharding, None),
+        donate_argnums=0,  # the new state reuses the old one's buffers
     )
     eval_fn = jax.jit(partial(eval_step, graphdef, config))
     logger = MetricsLogger(workdir, tc.steps, start, enabled=process == 0)
@@ -123,7 +135,9 @@ def run(config: config_lib.Config, workdir: str | Path) -> dict[str, Any]:
     profile = config_lib.profile_steps(config.profile)
     plan = {f"plan_{k}": v for k, v in dataclasses.asdict(config.parallel).items()}
     last: dict[str, Any] = {}
-    bad_in_a_row = 0
+    # (non-finite steps in a row, non-finite steps since the last log), kept on the
+    # device and read every train.log_every steps, so the loop never waits for a step.
+    bad = (jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
     save = lambda step: checkpoints.save(step, state, train_batches.get_state(), config_dict)
     try:
         with StopRequest() as stop:
@@ -137,17 +151,19 @@ def run(config: config_lib.Config, workdir: str | Path) -> dict[str, Any]:
                     jax.block_until_ready(state)
                     jax.profiler.stop_trace()
                 logger.advance()
-                bad_in_a_row = bad_in_a_row + 1 if int(metrics["skipped"]) else 0
-                if bad_in_a_row:
-                    say(f"step {step}: non-finite loss, update skipped")
-                if bad_in_a_row >= tc.max_bad_steps:
-                    raise RunError(
-                        f"stopping: {bad_in_a_row} steps in a row had a non-finite loss "
-                        f"(train.max_bad_steps={tc.max_bad_steps}); the last good checkpoint "
-                        f"is in {checkpoints.directory}"
-                    )
+                bad = _count_bad(bad, metrics["skipped"])  # on the device: no wait here
                 if step % tc.log_every == 0 or step == tc.steps:
                     jax.block_until_ready(metrics)
+                    bad_in_a_row, skipped = (int(x) for x in jax.device_get(bad))
+                    if skipped:
+                        say(f"steps {clock_step + 1}-{step}: {skipped} non-finite losses skipped")
+                    if bad_in_a_row >= tc.max_bad_steps:
+                        raise RunError(
+                            f"stopping: {bad_in_a_row} steps in a row had a non-finite loss "
+                            f"(train.max_bad_steps={tc.max_bad_steps}); the last good "
+                            f"checkpoint is in {checkpoints.directory}"
+                        )
+                    bad = (bad[0], jnp.zeros((), jnp.int32))
                     elapsed = time.perf_counter() - clock
                     rate = tokens_per_step * (step - clock_step) / elapsed
                     throughput = {"tokens_per_sec": rate, "skipped_steps_in_a_row": bad_in_a_row}

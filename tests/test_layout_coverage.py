@@ -30,7 +30,9 @@ def test_dense_layer_and_shared_experts_match_single_device(attention: str, expe
     _assert_first_step_matches(run, want)
     got = run.state
     assert_trees_close((got.params, got.biases), (want.state.params, want.state.biases))
-    assert "ffn" in str(run.grads["dense"]["units"]["blocks"][0])  # the dense layer's MLP
+    dense_mlp = run.grads["dense"]["units"]["blocks"][0]["ffn"]
+    assert {"gate", "up", "down"} <= set(dense_mlp)  # the dense layer is there, as an MLP
+    assert "shared" in run.grads["moe"]["units"]["blocks"][0]["ffn"]
 
 
 BF16 = dataclasses.replace(BASE, model=dataclasses.replace(BASE.model, dtype="bfloat16"))

@@ -19,10 +19,16 @@ def cast_like(weights, x: jax.Array):
     vary over them; JAX reduces the weight's gradient over those devices at the point
     where the two meet. Adding a zero taken from `x` before the cast moves that point
     before the cast, so the reduction runs on the float32 gradient, not a bfloat16 one.
-    On one device it changes nothing.
+    On one device, and in a float32 model, it changes nothing.
     """
     zero = jnp.zeros_like(x.reshape(-1)[0], dtype=jnp.float32)
-    return jax.tree.map(lambda w: (w + zero.astype(w.dtype)).astype(x.dtype), weights)
+
+    def cast(w: jax.Array) -> jax.Array:
+        if w.dtype == x.dtype:  # nothing to cast: the reduction already runs as stored
+            return w
+        return (w + zero.astype(w.dtype)).astype(x.dtype)  # one fused pass with the cast
+
+    return jax.tree.map(cast, weights)
 
 
 class RMSNorm(nnx.Module):

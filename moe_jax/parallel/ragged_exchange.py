@@ -37,7 +37,7 @@ in the padded form.
 group `INTRA`, as the padded form does ('tensor' has size 1 for this
 layout). XLA:CPU does not implement it, so this layout runs on GPU/TPU only;
 the index arithmetic below is pure and tested on CPU. Gradients use JAX's
-transpose rule for the op (present in jax 0.10.2): the backward pass is the
+transpose rule for the op (present since jax 0.10): the backward pass is the
 same exchange in reverse.
 """
 
