@@ -110,6 +110,7 @@ class TrainConfig:
     checkpoint_every: int = 100  # 0 saves only at the end
     keep_checkpoints: int = 3
     max_bad_steps: int = 5  # consecutive non-finite losses before the run stops
+    loss_chunks: int = 0  # chunks of the sequence the loss runs over; 0 = by logits size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,6 +303,12 @@ def validate(config: Config) -> None:
     for name in ("warmup_steps", "weight_decay", "eval_every", "checkpoint_every", "eps"):
         _check(getattr(t, name) >= 0, f"train.{name}", getattr(t, name), "must be >= 0")
     _check(t.grad_clip >= 0, "train.grad_clip", t.grad_clip, "must be >= 0 (0 disables)")
+    _check(
+        t.loss_chunks >= 0 and (t.loss_chunks == 0 or t.seq_len % t.loss_chunks == 0),
+        "train.loss_chunks",
+        t.loss_chunks,
+        f"must be 0 (automatic) or divide train.seq_len={t.seq_len}",
+    )
     for name in ("b1", "b2"):
         _check(0 <= getattr(t, name) < 1, f"train.{name}", getattr(t, name), "must be in [0, 1)")
 

@@ -16,6 +16,7 @@ import optax
 from flax import nnx
 
 from moe_jax.config import Config, TrainConfig
+from moe_jax.model.loss import auto_chunks, chunked_cross_entropy
 from moe_jax.model.transformer import Transformer
 from moe_jax.moe.balancing import update_bias
 from moe_jax.moe.block import RouterBias
@@ -109,10 +110,23 @@ def init_placed(config: Config, layout: Layout, shardings):
     return init_program(config, layout, shardings)()
 
 
+def loss_chunks(config: Config, batch: int, seq: int) -> int:
+    """`train.loss_chunks`, or with 0 the automatic choice for this micro-batch."""
+    return config.train.loss_chunks or auto_chunks(batch, seq, config.model.vocab_size)
+
+
 def loss_fn(params, biases, graphdef, batch, config: Config):
-    """Total loss and its parts; MoE terms are summed over MoE layers."""
-    logits, stats = nnx.merge(graphdef, params, biases)(batch["inputs"])
-    lm_loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+    """Total loss and its parts; MoE terms are summed over MoE layers. The language-model
+    loss runs over `loss_chunks(...)` chunks of the sequence (`moe_jax.model.loss`)."""
+    model = nnx.merge(graphdef, params, biases)
+    chunks = loss_chunks(config, *batch["inputs"].shape)
+    if chunks == 1:
+        logits, stats = model(batch["inputs"])
+        lm_loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+        lm_loss = lm_loss.mean()
+    else:
+        x, stats = model.features(batch["inputs"])
+        lm_loss = chunked_cross_entropy(x, model.output_weights(), batch["targets"], chunks)
     metrics = {"lm_loss": lm_loss}
     loss = lm_loss
     if stats is not None:

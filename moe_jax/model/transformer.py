@@ -106,7 +106,8 @@ class Transformer(nnx.Module):
             else param(rngs, (cfg.embed_dim, cfg.vocab_size), ("embed", "vocab"))
         )
 
-    def __call__(self, tokens: jax.Array) -> tuple[jax.Array, MoEStats | None]:
+    def features(self, tokens: jax.Array) -> tuple[jax.Array, MoEStats | None]:
+        """tokens [batch, seq] -> (the final-normed hidden states, stacked MoE stats)."""
         dtype = jnp.dtype(self.cfg.dtype)
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
         x = self.embed(tokens, dtype)
@@ -115,10 +116,20 @@ class Transformer(nnx.Module):
             x, _ = self.dense(x, positions)
         if self.moe is not None:
             x, stats = self.moe(x, positions)
-        x = self.final_norm(x)
+        return self.final_norm(x), stats
+
+    def output_weights(self) -> jax.Array:
+        """The output head [embed, vocab] in the compute dtype (the embedding when tied)."""
+        dtype = jnp.dtype(self.cfg.dtype)
+        if self.head is None:
+            return self.embed.table[...].astype(dtype).T
+        return self.head[...].astype(dtype)
+
+    def __call__(self, tokens: jax.Array) -> tuple[jax.Array, MoEStats | None]:
+        x, stats = self.features(tokens)
         if self.head is None:
             logits = self.embed.attend(x)
         else:
-            head = self.head[...].astype(dtype)
+            head = self.head[...].astype(x.dtype)
             logits = jnp.einsum("bsd,dv->bsv", x, head, preferred_element_type=jnp.float32)
         return logits, stats

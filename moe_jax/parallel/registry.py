@@ -90,6 +90,13 @@ def problems(config, num_devices: int, platform: str) -> list[str]:
             f"train.batch_size={t.batch_size} must be divisible by {batch_split * t.grad_accum} "
             f"(the batch split of parallel.attention={attention.name!r} times train.grad_accum)"
         )
+    chunk = t.seq_len // t.loss_chunks if t.loss_chunks else 0
+    if attention.seq_axes and chunk % p.intra:
+        found.append(
+            f"train.loss_chunks={t.loss_chunks} leaves chunks of {chunk} positions, not "
+            f"divisible by the parallel.intra={p.intra} devices parallel.attention="
+            f"{attention.name!r} splits the sequence over"
+        )
     return found + attention.problems(config)
 
 

@@ -25,7 +25,7 @@ from moe_jax.moe.experts import resolve_impl
 from moe_jax.parallel import mesh, registry
 from moe_jax.parallel.layout import DATA, INTRA, Layout
 from moe_jax.plan.comm_volume import DTYPE_BYTES
-from moe_jax.train_step import init_state
+from moe_jax.train_step import init_state, loss_chunks
 
 FP32 = 4
 
@@ -372,8 +372,11 @@ def block_activation_bytes(
 
 def _head_bytes(config: Config, z: _Sizes) -> int:
     """Final norm, head and cross-entropy of the last stage: the norm's float32 terms,
-    the head's input t·h·B and the float32 softmax of the logits t·V·4 (+ labels)."""
-    return z.t * (2 * z.h + 2) * FP32 + z.t * z.h * z.B + z.t * (config.model.vocab_size + 3) * 4
+    the head's input t·h·B, and the float32 softmax of one loss chunk's logits t·V·4/C
+    (C = the loss's chunks; C = 1: all of them) plus the labels."""
+    chunks = loss_chunks(config, z.b * config.parallel.data, z.s)  # the whole micro-batch
+    logits = z.t * config.model.vocab_size * 4 // chunks
+    return z.t * (2 * z.h + 2) * FP32 + z.t * z.h * z.B + logits + z.t * 3 * 4
 
 
 def unit_activation_bytes(config: Config, unit: tuple[str, int], micro_batch=None) -> int:

@@ -1,0 +1,53 @@
+"""Next-token cross-entropy computed over chunks of the sequence, so that the float32
+[batch, seq, vocab] logits never exist: each chunk's logits are made, reduced to a loss
+and dropped, and rebuilt from the chunk's hidden states in the backward pass.
+
+Chunk c holds sequence positions c, c + C, c + 2C, ... of every sequence. Where a
+layout splits the sequence into contiguous blocks over devices, every device then
+holds its own share of every chunk, so chunking moves no data between devices.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+# Auto chunking keeps one chunk's float32 logits (for the whole batch) under this size,
+# and chunks at least this many positions long.
+MAX_CHUNK_LOGITS_BYTES = 256 * 2**20
+MIN_CHUNK_POSITIONS = 64
+
+
+def auto_chunks(batch: int, seq: int, vocab: int) -> int:
+    """The fewest power-of-two chunks dividing `seq` whose logits fit the bound above,
+    without chunks shorter than MIN_CHUNK_POSITIONS (1 when the whole fits)."""
+    chunks = 1
+    while (
+        batch * (seq // chunks) * vocab * 4 > MAX_CHUNK_LOGITS_BYTES
+        and seq % (2 * chunks) == 0
+        and seq // (2 * chunks) >= MIN_CHUNK_POSITIONS
+    ):
+        chunks *= 2
+    return chunks
+
+
+def chunked_cross_entropy(
+    x: jax.Array, head: jax.Array, targets: jax.Array, chunks: int
+) -> jax.Array:
+    """Mean cross-entropy of logits `x @ head` ([b, s, d] x [d, V], float32 logits)
+    against `targets` [b, s], over `chunks` strided chunks of the sequence."""
+    b, s, d = x.shape
+    xs = x.reshape(b, s // chunks, chunks, d).transpose(2, 0, 1, 3)
+    ts = targets.reshape(b, s // chunks, chunks).transpose(2, 0, 1)
+
+    @jax.checkpoint  # keep only the chunk's inputs; its logits are rebuilt in the backward
+    def chunk_loss(x: jax.Array, t: jax.Array) -> jax.Array:
+        logits = jnp.einsum("bsd,dv->bsv", x, head, preferred_element_type=jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, t).sum()
+
+    def body(total, chunk):
+        return total + chunk_loss(*chunk), None
+
+    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (xs, ts))
+    return total / (b * s)
