@@ -111,6 +111,7 @@ class TrainConfig:
     keep_checkpoints: int = 3
     max_bad_steps: int = 5  # consecutive non-finite losses before the run stops
     loss_chunks: int = 0  # chunks of the sequence the loss runs over; 0 = by logits size
+    memory_limit_gb: float = 0.0  # per device, checked before compiling; 0 = the device's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -303,6 +304,12 @@ def validate(config: Config) -> None:
     for name in ("warmup_steps", "weight_decay", "eval_every", "checkpoint_every", "eps"):
         _check(getattr(t, name) >= 0, f"train.{name}", getattr(t, name), "must be >= 0")
     _check(t.grad_clip >= 0, "train.grad_clip", t.grad_clip, "must be >= 0 (0 disables)")
+    _check(
+        t.memory_limit_gb >= 0,
+        "train.memory_limit_gb",
+        t.memory_limit_gb,
+        "must be >= 0 (0: the device's own limit)",
+    )
     _check(
         t.loss_chunks >= 0 and (t.loss_chunks == 0 or t.seq_len % t.loss_chunks == 0),
         "train.loss_chunks",

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_jax import config as config_lib
-from moe_jax import flops
+from moe_jax import flops, memory_check
 from moe_jax.checkpoint import Checkpointer
 from moe_jax.data import pipeline
 from moe_jax.metrics import MetricsLogger
@@ -100,6 +100,10 @@ def run(config: config_lib.Config, workdir: str | Path) -> dict[str, Any]:
         pipeline.make_iterator(config, "val", rows, shuffle=False)  # fails early on a bad split
         config_dict = dataclasses.asdict(config)
         checkpoints.check_compatible(config_dict)
+        need, limit, lines = memory_check.summary(config)
+        for line in lines:
+            say(line)
+        memory_check.check(config, need, limit)
     except ValueError as error:
         raise RunError(str(error)) from None
 

@@ -309,3 +309,27 @@ def test_profile_writes_a_trace(tmp_path: Path):
     cfg = dataclasses.replace(cfg, profile=config_lib.ProfileConfig("2,4"))
     trainer.run(cfg, tmp_path / "run")
     assert list((tmp_path / "run" / "profile").rglob("*.xplane.pb"))
+
+
+def test_plan_that_does_not_fit_is_refused_before_compiling(tmp_path: Path):
+    """The memory model's need against a limit: one line naming both, nothing written."""
+    cfg = tiny_config(steps=2)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, memory_limit_gb=1e-4))
+    _assert_rejected(cfg, tmp_path / "run", "GB per device", "0.0 GB are available")
+
+
+def test_mixtral_on_this_machine_is_refused_in_one_line(tmp_path: Path):
+    run = subprocess.run(
+        _train_cmd(tmp_path / "run", "--config=configs/mixtral_8x7b.py"),
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 1, run.stderr[-3000:]
+    assert "Traceback" not in run.stderr
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: the plan needs") and "GB are available" in last, last
+    assert "parameters: 46,7" in run.stdout  # Mixtral-8x7B: 46.7B parameters
+    assert not (tmp_path / "run").exists()
