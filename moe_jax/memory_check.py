@@ -8,6 +8,7 @@ the device offers and says what to change.
 
 from __future__ import annotations
 
+import math
 import os
 
 import jax
@@ -36,15 +37,8 @@ def device_limit(config: Config) -> tuple[float, str]:
 def parameter_counts(config: Config) -> tuple[int, int]:
     """(all parameters, those one token multiplies by)."""
     arrays = memory.state_arrays(config)
-    total = sum(_size(a.shape) for a in arrays if a.part == "params")
+    total = sum(math.prod(a.shape) for a in arrays if a.part == "params")
     return total, sum(active_matmul_params(config.model, config.moe).values())
-
-
-def _size(shape: tuple[int, ...]) -> int:
-    size = 1
-    for dim in shape:
-        size *= dim
-    return size
 
 
 def summary(config: Config) -> tuple[memory.Memory, float, list[str]]:

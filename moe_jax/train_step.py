@@ -86,16 +86,15 @@ def init_state(config: Config, layout: Layout = SINGLE_DEVICE):
     return graphdef, TrainState(jnp.zeros((), jnp.int32), params, biases, opt_state, rng)
 
 
-def abstract_state(config: Config, layout: Layout, shardings=None):
-    """(graphdef, TrainState of shapes): nothing is computed or allocated. With
-    `shardings` (a tree like the state) each leaf carries its placement, the form a
-    restore reads into."""
-    graphdef, state = jax.eval_shape(lambda: init_state(config, layout))
-    if shardings is not None:
-        state = jax.tree.map(
-            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), state, shardings
-        )
-    return graphdef, state
+def abstract_state(config: Config, layout: Layout):
+    """(graphdef, TrainState of shapes): nothing is computed or allocated."""
+    return jax.eval_shape(lambda: init_state(config, layout))
+
+
+def with_shardings(abstract, shardings):
+    """An abstract state whose leaves carry their placement: what a restore reads into."""
+    place = lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh)
+    return jax.tree.map(place, abstract, shardings)
 
 
 def init_program(config: Config, layout: Layout, shardings):

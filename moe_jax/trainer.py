@@ -27,7 +27,13 @@ from moe_jax.parallel import mesh as mesh_lib
 from moe_jax.plan.resolve import check_plan
 from moe_jax.plots import plot_run
 from moe_jax.preemption import StopRequest
-from moe_jax.train_step import abstract_state, eval_step, init_placed, train_step
+from moe_jax.train_step import (
+    abstract_state,
+    eval_step,
+    init_placed,
+    train_step,
+    with_shardings,
+)
 
 
 @jax.jit
@@ -114,7 +120,7 @@ def run(config: config_lib.Config, workdir: str | Path) -> dict[str, Any]:
     state_sharding = mesh_lib.train_state_shardings(abstract, layout, config.parallel.zero)
     start = checkpoints.latest_step() or 0
     if start:
-        _, target = abstract_state(config, layout, state_sharding)
+        target = with_shardings(abstract, state_sharding)
         state, data_state = checkpoints.restore(start, target)
         train_batches.set_state(data_state)
         say(f"resumed from {checkpoints.directory / str(start)}")
@@ -142,6 +148,7 @@ def run(config: config_lib.Config, workdir: str | Path) -> dict[str, Any]:
     # (non-finite steps in a row, non-finite steps since the last log), kept on the
     # device and read every train.log_every steps, so the loop never waits for a step.
     bad = (jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
+    logged = start  # the last step whose metrics were read
     save = lambda step: checkpoints.save(step, state, train_batches.get_state(), config_dict)
     try:
         with StopRequest() as stop:
@@ -160,14 +167,14 @@ def run(config: config_lib.Config, workdir: str | Path) -> dict[str, Any]:
                     jax.block_until_ready(metrics)
                     bad_in_a_row, skipped = (int(x) for x in jax.device_get(bad))
                     if skipped:
-                        say(f"steps {clock_step + 1}-{step}: {skipped} non-finite losses skipped")
+                        say(f"steps {logged + 1}-{step}: {skipped} non-finite losses skipped")
                     if bad_in_a_row >= tc.max_bad_steps:
                         raise RunError(
                             f"stopping: {bad_in_a_row} steps in a row had a non-finite loss "
                             f"(train.max_bad_steps={tc.max_bad_steps}); the last good "
                             f"checkpoint is in {checkpoints.directory}"
                         )
-                    bad = (bad[0], jnp.zeros((), jnp.int32))
+                    bad, logged = (bad[0], jnp.zeros((), jnp.int32)), step
                     elapsed = time.perf_counter() - clock
                     rate = tokens_per_step * (step - clock_step) / elapsed
                     throughput = {"tokens_per_sec": rate, "skipped_steps_in_a_row": bad_in_a_row}

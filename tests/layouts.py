@@ -15,12 +15,15 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
 
 from moe_jax.config import Config, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
+from moe_jax.model.transformer import Transformer
+from moe_jax.moe.block import RouterBias
 from moe_jax.parallel import mesh as mesh_lib
 from moe_jax.parallel.layout import SINGLE_DEVICE
 from moe_jax.plan.resolve import check_plan
-from moe_jax.train_step import apply_gradients, gradients, init_state
+from moe_jax.train_step import apply_gradients, gradients, init_state, loss_fn
 
 BASE = Config(
     model=ModelConfig(
@@ -125,12 +128,6 @@ def assert_trees_close(got, want, rtol: float = 1e-5, atol_scale: float | None =
 def loss_and_grads(config: Config, layout):
     """Loss, metrics and gradients of one forward + backward under `layout` (for layouts
     built by hand, e.g. with an emulated collective)."""
-    from flax import nnx
-
-    from moe_jax.model.transformer import Transformer
-    from moe_jax.moe.block import RouterBias
-    from moe_jax.train_step import loss_fn
-
     model = Transformer(config.model, config.moe, rngs=nnx.Rngs(config.train.seed), layout=layout)
     graphdef, params, biases = nnx.split(model, nnx.Param, RouterBias)
     inputs = batch(config)

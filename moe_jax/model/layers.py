@@ -45,17 +45,14 @@ class RMSNorm(nnx.Module):
 
 
 class Embed(nnx.Module):
-    """Token embedding; `attend` reuses it as the output head when tied."""
+    """Token embedding; the output head reuses its table when tied
+    (`Transformer.output_weights`)."""
 
     def __init__(self, vocab_size: int, dim: int, *, rngs: nnx.Rngs):
         self.table = param(rngs, (vocab_size, dim), ("vocab", "embed"), fan_in=1)
 
     def __call__(self, tokens: jax.Array, dtype: jnp.dtype) -> jax.Array:
         return jnp.take(self.table[...], tokens, axis=0).astype(dtype)
-
-    def attend(self, x: jax.Array) -> jax.Array:
-        table = self.table[...].astype(x.dtype)
-        return jnp.einsum("bsd,vd->bsv", x, table, preferred_element_type=jnp.float32)
 
 
 def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:

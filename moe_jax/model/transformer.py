@@ -126,10 +126,9 @@ class Transformer(nnx.Module):
         return self.head[...].astype(dtype)
 
     def __call__(self, tokens: jax.Array) -> tuple[jax.Array, MoEStats | None]:
+        """tokens [batch, seq] -> (logits [batch, seq, vocab] float32, stacked MoE stats)."""
         x, stats = self.features(tokens)
-        if self.head is None:
-            logits = self.embed.attend(x)
-        else:
-            head = self.head[...].astype(x.dtype)
-            logits = jnp.einsum("bsd,dv->bsv", x, head, preferred_element_type=jnp.float32)
+        logits = jnp.einsum(
+            "bsd,dv->bsv", x, self.output_weights(), preferred_element_type=jnp.float32
+        )
         return logits, stats

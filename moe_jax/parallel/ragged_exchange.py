@@ -154,6 +154,7 @@ EP_A2A_RAGGED = dataclasses.replace(
     name=NAME,
     dispatcher=RaggedAllToAllDispatcher,
     platforms_without=("cpu",),
+    platform_reason="does not implement ragged_all_to_all; use 'ep_a2a' on CPU",
     receive_slots=receive_bound,
     token_bytes=_ragged_bytes,
 )

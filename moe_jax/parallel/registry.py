@@ -67,8 +67,8 @@ def problems(config, num_devices: int, platform: str) -> list[str]:
         )
     if platform in experts.platforms_without:
         found.append(
-            f"parallel.experts={experts.name!r} needs a GPU (XLA:{platform.upper()} does not "
-            "implement ragged_all_to_all); use 'ep_a2a' on CPU"
+            f"parallel.experts={experts.name!r} needs a GPU (XLA:{platform.upper()} "
+            f"{experts.platform_reason})"
         )
     own = experts.problems(config)
     found += own

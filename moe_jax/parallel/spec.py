@@ -103,6 +103,7 @@ class ExpertSpec:
     split: Callable[[Any], tuple[int, int]] = lambda parallel: (parallel.intra, 1)
     problems: Problems = _no_problems
     platforms_without: tuple[str, ...] = ()  # backends that cannot compile it
+    platform_reason: str = ""  # why, and what to use there instead (the error's tail)
     # Routes the gathered tokens of the whole intra group (else its own tokens).
     gathers_tokens: bool = False
     # Rows one source sends one destination, (tokens per device, moe config, local

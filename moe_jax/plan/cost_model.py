@@ -268,6 +268,8 @@ class CostModel:
         self.mlp_activation = comm_volume.mlp_bytes(self.sized)
         self.attention_spec = registry.attention_spec(self.sized)
         self.expert_spec = registry.expert_spec(self.sized)
+        # Devices attention and dense-MLP weights are stored split over (tp: intra, fsdp:
+        # data); `_intra_split` is how many ways their GEMMs are split (tp only).
         self.split = {INTRA: plan.intra, DATA: plan.data}.get(self.attention_spec.weights_over, 1)
 
     # --- operators (forward, one micro-batch, one device) -----------------------------
