@@ -22,6 +22,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -265,3 +270,49 @@ def test_init_program_outputs_only_each_devices_share(plan):
     tuple_table = 8 * len(jax.tree.leaves(abstract))  # XLA also counts the output tuple's pointers
     output = compiled.memory_analysis().output_size_in_bytes
     assert output == predicted.params + predicted.optimizer + tuple_table
+
+
+def test_mixtral_8x7b_starts_sharded_on_64_devices():
+    """The real model, compiled from abstract inputs on 64 forced CPU devices (nothing
+    allocated): the start-up program writes each device only its share of the 560 GB
+    state (sp+ep_a2a, n=8, data=8, ZeRO-1: 36.2 GB), as the memory model says."""
+    script = textwrap.dedent(
+        """
+        import os, runpy
+        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=64"
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        import jax
+        from moe_jax import config as config_lib
+        from moe_jax.parallel import mesh as mesh_lib
+        from moe_jax.plan import memory
+        from moe_jax.plan.resolve import check_plan
+        from moe_jax.train_step import abstract_state, init_program
+        raw = runpy.run_path("configs/mixtral_8x7b.py")["get_config"]()
+        p = raw.parallel
+        p.attention, p.experts, p.intra, p.data, p.zero = "sp", "ep_a2a", 8, 8, 1
+        config = check_plan(config_lib.load(raw), 64)
+        layout = mesh_lib.make_layout(config, mesh_lib.make_mesh(config))
+        _, abstract = abstract_state(config, layout)
+        shardings = mesh_lib.train_state_shardings(abstract, layout, 1)
+        compiled = init_program(config, layout, shardings).lower().compile()
+        need = memory.memory_per_device(config)
+        whole = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract))
+        tuple_table = 8 * len(jax.tree.leaves(abstract))
+        out = compiled.memory_analysis().output_size_in_bytes
+        print(out, need.params + need.optimizer + tuple_table, whole)
+        """
+    )
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    run = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    out, predicted, whole = map(int, run.stdout.split())
+    assert out == predicted
+    assert whole > 500e9 and out < whole / 15  # every device holds about 1/16 of it
