@@ -18,7 +18,13 @@ from jax.experimental import multihost_utils
 
 # Settings that change the shapes or meaning of saved parameters.
 ARCHITECTURE_SECTIONS = ("model", "moe")
-ARCHITECTURE_EXEMPT = {"moe.impl", "moe.tile_size", "model.dtype", "model.remat"}
+ARCHITECTURE_EXEMPT = {
+    "moe.impl",
+    "moe.tile_size",
+    "model.dtype",
+    "model.remat",
+    "model.attention_impl",
+}
 
 
 def _flat(config: dict[str, Any]) -> dict[str, Any]:

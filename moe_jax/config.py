@@ -17,7 +17,7 @@ import ml_collections
 SCORE_FNS = ("softmax", "sigmoid")
 MOE_IMPLS = ("auto", "tiled", "ragged_dot", "capacity", "dense")
 DTYPES = ("float32", "bfloat16")
-REMAT = ("none", "full")
+REMAT = ("none", "full", "selective", "offload")  # see moe_jax.model.remat
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +78,10 @@ class ModelConfig:
     norm_eps: float = 1e-6
     dtype: str = "float32"  # compute dtype; parameters are always float32
     remat: str = "none"
+    # Per-device attention: xla (stores [s, s] scores), cudnn (GPU flash attention,
+    # bfloat16), blockwise (plain JAX, no [s, s] scores) or auto (cudnn on GPU in
+    # bfloat16, else blockwise); see moe_jax.kernels.attention.
+    attention_impl: str = "auto"
 
     @property
     def num_moe_layers(self) -> int:
@@ -132,10 +136,19 @@ class ParallelConfig:
     attention: str = "dp"  # dp, fsdp, tp (Megatron + sequence-parallel norms), sp (Ulysses)
     experts: str = "auto"  # ep_ag, ep_a2a, etp (expert width split), ep_etp, or auto
     ag_threshold: float = 0.75  # auto picks ep_ag when moe.top_k / intra exceeds this
+    # ep_a2a*: rows of each per-destination buffer as a multiple of the balanced share
+    # T·k/n; 0 = room for all T·k (exactly dropless). Overflow is dropped and counted.
+    a2a_buffer_factor: float = 0.0
     intra: int = 1  # n: devices of one intra-node group (experts and sequence split here)
     data: int = 0  # data-parallel groups; 0 = all devices not used by intra
     zero: int = 0  # ZeRO stage over the data axis: 0 (replicated) or 1 (optimizer state split)
     etp: int = 2  # experts=ep_etp: devices splitting each expert's width (intra / etp own experts)
+    # Expert weights (and their gradients and moments) also split over 'data', gathered
+    # per layer and reduce-scattered in the backward: ZeRO-3 / FSDP for the experts.
+    expert_fsdp: bool = False
+    # Embedding and output head split over the vocabulary on the intra group, with a
+    # vocabulary-parallel cross-entropy (Megatron-LM's).
+    vocab_parallel: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,6 +242,7 @@ def validate(config: Config) -> None:
     _check(m.head_dim % 2 == 0, "model.head_dim", m.head_dim, "must be even (rotary pairs)")
     _check(m.dtype in DTYPES, "model.dtype", m.dtype, f"valid: {DTYPES}")
     _check(m.remat in REMAT, "model.remat", m.remat, f"valid: {REMAT}")
+    _validate_attention_impl(m)
     _check(
         0 <= m.first_k_dense <= m.num_layers,
         "model.first_k_dense",
@@ -332,6 +346,16 @@ def validate(config: Config) -> None:
     profile_steps(config.profile)
 
 
+def _validate_attention_impl(m: ModelConfig) -> None:
+    """What any platform allows (the platform is checked with the plan, in
+    `moe_jax.parallel.registry.problems`); imported here as it imports jax."""
+    from moe_jax.kernels.attention import problems
+
+    found = problems(m.attention_impl, m.dtype)
+    if found:
+        raise ValueError(found[0])
+
+
 def _validate_parallel(p: ParallelConfig) -> None:
     """Layout names come from the layout registry and GPU names from the planner's
     presets (imported here: both modules import this one)."""
@@ -348,6 +372,12 @@ def _validate_parallel(p: ParallelConfig) -> None:
     _check(p.gpu.lower() in gpus, "parallel.gpu", p.gpu, f"valid: {gpus}")
     _check(p.zero in (0, 1), "parallel.zero", p.zero, "valid: 0 or 1 (fsdp covers weights)")
     _check(p.ag_threshold > 0, "parallel.ag_threshold", p.ag_threshold, "must be > 0")
+    _check(
+        0 <= p.a2a_buffer_factor < math.inf,
+        "parallel.a2a_buffer_factor",
+        p.a2a_buffer_factor,
+        "must be finite and >= 0 (0: worst-case all-to-all buffers, exactly dropless)",
+    )
 
 
 def profile_steps(profile: ProfileConfig) -> tuple[int, int] | None:

@@ -49,7 +49,8 @@ def summary(config: Config) -> tuple[memory.Memory, float, list[str]]:
     p = config.parallel
     lines = [
         f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}; plan: attention="
-        f"{p.attention} experts={p.experts} n={p.intra} data={p.data} zero={p.zero}",
+        f"{p.attention} experts={p.experts} n={p.intra} data={p.data} zero={p.zero} "
+        f"expert_fsdp={p.expert_fsdp}",
         f"parameters: {total / 1e6:,.1f}M, {active / 1e6:,.1f}M active per token",
         f"memory per device (predicted): {need.total / GB:.2f} GB ({_parts(need)}) of "
         f"{limit / GB:.2f} GB ({source})",
@@ -71,6 +72,7 @@ def check(config: Config, need: memory.Memory, limit: float) -> None:
     raise ValueError(
         f"the plan needs {need.total / GB:.1f} GB per device ({_parts(need)}) but "
         f"{limit / GB:.1f} GB are available; lower train.batch_size or raise "
-        "train.grad_accum, set model.remat='full', parallel.zero=1 or parallel.attention="
+        "train.grad_accum, set model.remat='selective' or 'full', parallel.zero=1, "
+        "parallel.expert_fsdp=True, parallel.vocab_parallel=True or parallel.attention="
         "'fsdp', use more devices, or set train.memory_limit_gb if the limit is wrong"
     )

@@ -16,7 +16,7 @@ import optax
 from flax import nnx
 
 from moe_jax.config import Config, TrainConfig
-from moe_jax.model.loss import auto_chunks, chunked_cross_entropy
+from moe_jax.model.loss import auto_chunks
 from moe_jax.model.transformer import Transformer
 from moe_jax.moe.balancing import update_bias
 from moe_jax.moe.block import RouterBias
@@ -59,8 +59,8 @@ def decay_mask(cfg: TrainConfig):
     return lambda params: jax.tree_util.tree_map_with_path(decays, params)
 
 
-def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    adamw = optax.adamw(
+def _adamw(cfg: TrainConfig) -> optax.GradientTransformation:
+    return optax.adamw(
         learning_rate(cfg),
         cfg.b1,
         cfg.b2,
@@ -68,9 +68,14 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
         weight_decay=cfg.weight_decay,
         mask=decay_mask(cfg),
     )
+
+
+def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    """AdamW after global-norm clipping: the optimizer whose state checkpoints hold
+    (`apply_gradients` runs its two parts itself)."""
     if cfg.grad_clip > 0:
-        return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw)
-    return adamw
+        return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), _adamw(cfg))
+    return _adamw(cfg)
 
 
 def build_model(config: Config, layout: Layout = SINGLE_DEVICE) -> Transformer:
@@ -119,13 +124,12 @@ def loss_fn(params, biases, graphdef, batch, config: Config):
     loss runs over `loss_chunks(...)` chunks of the sequence (`moe_jax.model.loss`)."""
     model = nnx.merge(graphdef, params, biases)
     chunks = loss_chunks(config, *batch["inputs"].shape)
-    if chunks == 1:
+    if chunks == 1 and model.layout.chunk_loss is None:
         logits, stats = model(batch["inputs"])
         lm_loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
         lm_loss = lm_loss.mean()
     else:
-        x, stats = model.features(batch["inputs"])
-        lm_loss = chunked_cross_entropy(x, model.output_weights(), batch["targets"], chunks)
+        lm_loss, stats = model.chunked_loss(batch["inputs"], batch["targets"], chunks)
     metrics = {"lm_loss": lm_loss}
     loss = lm_loss
     if stats is not None:
@@ -181,25 +185,40 @@ def train_step(graphdef, config: Config, state: TrainState, batch):
 
 
 def apply_gradients(config: Config, state: TrainState, metrics: dict, grads):
-    """The AdamW and router-bias updates of one step from its gradients and metrics."""
+    """The clipped AdamW and router-bias updates of one step (`make_optimizer`'s), from
+    its gradients and metrics.
+
+    Written for XLA to update the donated state in place: the gradients are clipped
+    before the update, in their own buffers (optax's clip inside the update would write
+    a second copy), and a skipped step is a conditional, not a select between the old
+    and the new state (a select reads the old moments after the new ones are written,
+    so XLA copies them first)."""
     metrics = dict(metrics)
-    tx = make_optimizer(config.train)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    biases = state.biases
-    if "load" in metrics and config.moe.bias_update_rate > 0:
-        rate = config.moe.bias_update_rate
-        biases = jax.tree.map(lambda b: update_bias(b, metrics["load"], rate), biases)
+    cfg = config.train
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
-    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-    params = keep(params, state.params)
-    opt_state = keep(opt_state, state.opt_state)
-    biases = keep(biases, state.biases)
+    if cfg.grad_clip > 0:  # optax.clip_by_global_norm's rule
+        scale = jnp.minimum(1.0, cfg.grad_clip / grad_norm)
+        grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
+    adamw, rate = _adamw(cfg), config.moe.bias_update_rate
+
+    def update(current):
+        params, opt_state, biases = current
+        clipped = cfg.grad_clip > 0  # chain(clip, adamw): the clip's state is empty
+        updates, adam = adamw.update(grads, opt_state[1] if clipped else opt_state, params)
+        opt_state = (opt_state[0], adam) if clipped else adam
+        params = optax.apply_updates(params, updates)
+        if "load" in metrics and rate > 0:
+            biases = jax.tree.map(lambda b: update_bias(b, metrics["load"], rate), biases)
+        return params, opt_state, biases
+
+    params, opt_state, biases = jax.lax.cond(
+        finite, update, lambda current: current, (state.params, state.opt_state, state.biases)
+    )
     rng = jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step))
     metrics.update(
         grad_norm=grad_norm,
-        lr=learning_rate(config.train)(state.step),
+        lr=learning_rate(cfg)(state.step),
         skipped=1 - finite.astype(jnp.int32),
     )
     return TrainState(state.step + 1, params, biases, opt_state, rng), metrics

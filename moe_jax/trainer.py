@@ -96,7 +96,7 @@ def run(config: config_lib.Config, workdir: str | Path) -> dict[str, Any]:
             p = config.parallel
             say(
                 f"planner chose attention={p.attention} experts={p.experts} intra={p.intra} "
-                f"data={p.data} zero={p.zero}"
+                f"data={p.data} zero={p.zero} expert_fsdp={p.expert_fsdp}"
             )
         mesh = mesh_lib.make_mesh(config)
         layout = mesh_lib.make_layout(config, mesh)
@@ -183,6 +183,12 @@ def run(config: config_lib.Config, workdir: str | Path) -> dict[str, Any]:
                     )
                     last = _step_row(step, metrics, throughput, plan)
                     logger.write(last)
+                    if config.moe.dropless and last.get("dropped_fraction", 0) > 0:
+                        say(
+                            f"step {step}: {last['dropped_fraction']:.2%} of assignments did "
+                            "not fit the all-to-all buffers and were dropped (raise "
+                            "parallel.a2a_buffer_factor; 0 is exactly dropless)"
+                        )
                     clock, clock_step = time.perf_counter(), step
                 if (tc.eval_every and step % tc.eval_every == 0) or step == tc.steps:
                     val_loss = _evaluate(eval_fn, state, config, sharding, rows)

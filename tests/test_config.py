@@ -41,7 +41,7 @@ BAD_CONFIGS = [
     ),
     ("odd_head_dim", {"model.head_dim": 15}, "model.head_dim"),
     ("unknown_dtype", {"model.dtype": "float16"}, "model.dtype"),
-    ("unknown_remat", {"model.remat": "selective"}, "model.remat"),
+    ("unknown_remat", {"model.remat": "partial"}, "model.remat"),
     ("first_k_dense_over_layers", {"model.first_k_dense": 3}, "model.first_k_dense"),
     ("negative_first_k_dense", {"model.first_k_dense": -1}, "model.first_k_dense"),
     (

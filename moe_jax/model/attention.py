@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from functools import partial
 
 import jax
@@ -11,6 +10,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moe_jax.config import ModelConfig
+from moe_jax.kernels.attention import Attend, attention_fn
+from moe_jax.model import remat
 from moe_jax.model.axes import param
 from moe_jax.model.layers import cast_like, rotary
 from moe_jax.parallel.layout import SINGLE_DEVICE, Layout
@@ -31,8 +32,6 @@ AXES = AttentionWeights(
     value=("embed", "kv_heads", "head_dim"),
     out=("heads", "head_dim", "embed"),
 )
-
-Attend = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
 
 def attention_block(
@@ -61,10 +60,15 @@ class Attention(nnx.Module):
         self.value = param(rngs, (d, kv, hd), AXES.value)
         self.out = param(rngs, (h, hd, d), AXES.out, fan_in=h * hd)
         self.rope_theta = cfg.rope_theta
+        self.attention_impl, self.dtype = cfg.attention_impl, cfg.dtype
         self.layout = layout
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         params = (self.query, self.key, self.value, self.out)
         w = AttentionWeights(*(p[...] for p in params))
         block = partial(attention_block, theta=self.rope_theta)
-        return self.layout.attention(block, x, positions, w, AXES)
+        # Chosen when traced, for the backend it is traced for (a config for another
+        # platform can still be built and planned here).
+        core = attention_fn(self.attention_impl, self.dtype)
+        attend = lambda q, k, v: core(*remat.tag((q, k, v), remat.QKV))
+        return self.layout.attention(block, x, positions, w, AXES, attend)

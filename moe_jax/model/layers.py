@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from moe_jax.model import remat
 from moe_jax.model.axes import ones_param, param
 from moe_jax.parallel.layout import SINGLE_DEVICE, Layout
 
@@ -48,11 +49,14 @@ class Embed(nnx.Module):
     """Token embedding; the output head reuses its table when tied
     (`Transformer.output_weights`)."""
 
-    def __init__(self, vocab_size: int, dim: int, *, rngs: nnx.Rngs):
+    def __init__(
+        self, vocab_size: int, dim: int, *, rngs: nnx.Rngs, layout: Layout = SINGLE_DEVICE
+    ):
         self.table = param(rngs, (vocab_size, dim), ("vocab", "embed"), fan_in=1)
+        self.layout = layout
 
     def __call__(self, tokens: jax.Array, dtype: jnp.dtype) -> jax.Array:
-        return jnp.take(self.table[...], tokens, axis=0).astype(dtype)
+        return self.layout.embed(self.table[...], tokens).astype(dtype)
 
 
 def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
@@ -81,7 +85,8 @@ def mlp_block(x: jax.Array, w: MLPWeights) -> jax.Array:
     """SwiGLU on whatever hidden columns `w` holds (a layout may hand it a shard); the
     float32 weights are cast to the compute dtype here, inside the layout."""
     w = cast_like(w, x)
-    return (jax.nn.silu(x @ w.gate) * (x @ w.up)) @ w.down
+    gate, up = remat.tag((x @ w.gate, x @ w.up), remat.FC1_FC3)
+    return remat.tag((jax.nn.silu(gate) * up) @ w.down, remat.FC2)
 
 
 class MLP(nnx.Module):

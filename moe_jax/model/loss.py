@@ -9,6 +9,8 @@ holds its own share of every chunk, so chunking moves no data between devices.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -32,22 +34,33 @@ def auto_chunks(batch: int, seq: int, vocab: int) -> int:
     return chunks
 
 
+def cross_entropy_sum(x: jax.Array, head: jax.Array, targets: jax.Array) -> jax.Array:
+    """Summed cross-entropy of float32 logits `x @ head` against `targets`."""
+    logits = jnp.einsum("bsd,dv->bsv", x, head, preferred_element_type=jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).sum()
+
+
+ChunkLoss = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+
+
 def chunked_cross_entropy(
-    x: jax.Array, head: jax.Array, targets: jax.Array, chunks: int
+    x: jax.Array,
+    head: jax.Array,
+    targets: jax.Array,
+    chunks: int,
+    chunk_loss: ChunkLoss = cross_entropy_sum,
 ) -> jax.Array:
     """Mean cross-entropy of logits `x @ head` ([b, s, d] x [d, V], float32 logits)
-    against `targets` [b, s], over `chunks` strided chunks of the sequence."""
+    against `targets` [b, s], over `chunks` strided chunks of the sequence; `chunk_loss`
+    sums one chunk's (a layout may split it over the vocabulary)."""
     b, s, d = x.shape
     xs = x.reshape(b, s // chunks, chunks, d).transpose(2, 0, 1, 3)
     ts = targets.reshape(b, s // chunks, chunks).transpose(2, 0, 1)
-
-    @jax.checkpoint  # keep only the chunk's inputs; its logits are rebuilt in the backward
-    def chunk_loss(x: jax.Array, t: jax.Array) -> jax.Array:
-        logits = jnp.einsum("bsd,dv->bsv", x, head, preferred_element_type=jnp.float32)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, t).sum()
+    # Keep only the chunk's inputs; its logits are rebuilt in the backward.
+    one_chunk = jax.checkpoint(lambda x, t: chunk_loss(x, head, t))
 
     def body(total, chunk):
-        return total + chunk_loss(*chunk), None
+        return total + one_chunk(*chunk), None
 
     total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (xs, ts))
     return total / (b * s)

@@ -13,9 +13,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moe_jax.config import ModelConfig, MoEConfig
+from moe_jax.model import remat
 from moe_jax.model.attention import Attention
 from moe_jax.model.axes import param
 from moe_jax.model.layers import MLP, Embed, RMSNorm
+from moe_jax.model.loss import chunked_cross_entropy
 from moe_jax.moe.block import MoE, MoEStats
 from moe_jax.parallel.layout import SINGLE_DEVICE, Layout
 
@@ -33,12 +35,12 @@ class Block(nnx.Module):
             self.ffn = MoE(cfg.embed_dim, moe, rngs=rngs, layout=layout)
 
     def __call__(self, x: jax.Array, positions: jax.Array):
-        x = x + self.attn(self.attn_norm(x), positions)
+        x = remat.tag(x + self.attn(self.attn_norm(x), positions), remat.FFN_INPUT)
         out = self.ffn(self.ffn_norm(x))
         stats = None
         if isinstance(out, tuple):
             out, stats = out
-        return x + out, stats
+        return remat.tag(x + out, remat.LAYER_INPUT), stats
 
 
 class Unit(nnx.Module):
@@ -76,9 +78,7 @@ class Stack(nnx.Module):
         def body(carry, unit_state):
             return nnx.merge(graphdef, unit_state)(carry, positions)
 
-        if self.remat == "full":
-            body = jax.checkpoint(body)
-        return jax.lax.scan(body, x, state)
+        return jax.lax.scan(remat.wrap(body, self.remat), x, state)
 
 
 class Transformer(nnx.Module):
@@ -88,7 +88,7 @@ class Transformer(nnx.Module):
         self, cfg: ModelConfig, moe: MoEConfig, *, rngs: nnx.Rngs, layout: Layout = SINGLE_DEVICE
     ):
         self.cfg = cfg
-        self.embed = Embed(cfg.vocab_size, cfg.embed_dim, rngs=rngs)
+        self.embed = Embed(cfg.vocab_size, cfg.embed_dim, rngs=rngs, layout=layout)
         self.dense = (
             Stack(cfg, None, 1, cfg.first_k_dense, rngs=rngs, layout=layout)
             if cfg.first_k_dense
@@ -100,6 +100,7 @@ class Transformer(nnx.Module):
             else None
         )
         self.final_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
+        self.layout = layout
         self.head = (
             None
             if cfg.tie_embeddings
@@ -124,6 +125,20 @@ class Transformer(nnx.Module):
         if self.head is None:
             return self.embed.table[...].astype(dtype).T
         return self.head[...].astype(dtype)
+
+    def chunked_loss(
+        self, tokens: jax.Array, targets: jax.Array, chunks: int
+    ) -> tuple[jax.Array, MoEStats | None]:
+        """(mean next-token cross-entropy over `chunks` chunks of the sequence, MoE stats):
+        float32 [batch, seq, vocab] logits never exist (`moe_jax.model.loss`). A layout
+        that splits the vocabulary computes each chunk over its shards of the head, which
+        it gets as stored."""
+        x, stats = self.features(tokens)
+        split = self.layout.chunk_loss
+        if split is None:
+            return chunked_cross_entropy(x, self.output_weights(), targets, chunks), stats
+        head = self.embed.table[...].T if self.head is None else self.head[...]
+        return chunked_cross_entropy(x, head, targets, chunks, split), stats
 
     def __call__(self, tokens: jax.Array) -> tuple[jax.Array, MoEStats | None]:
         """tokens [batch, seq] -> (logits [batch, seq, vocab] float32, stacked MoE stats)."""

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moe_jax.config import MoEConfig
+from moe_jax.model import remat
 from moe_jax.model.axes import param
 from moe_jax.model.layers import MLP
 from moe_jax.moe import experts, losses
@@ -63,11 +64,11 @@ def moe_forward(
     tokens = group.reshape(batch * seq, dim)
     routing = route(tokens, params.router, params.bias, cfg)
     sent = dispatcher.dispatch(tokens, routing)
-    out = experts.compute(
-        sent.rows, sent.routing, params.experts, dispatcher.compute_cfg, sent.slots
-    )
+    rows = remat.tag(sent.rows, remat.EXPERT_ROWS)
+    out = experts.compute(rows, sent.routing, params.experts, dispatcher.compute_cfg, sent.slots)
     y = dispatcher.combine(out, sent).reshape(group.shape)
-    stats = dispatcher.reduce(losses.router_stats(routing, batch))
+    delivered = dispatcher.delivered(routing, sent)
+    stats = dispatcher.reduce(losses.router_stats(delivered, batch))
     return dispatcher.scatter(y), stats
 
 

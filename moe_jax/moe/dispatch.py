@@ -7,7 +7,8 @@ weighted gather, with static shapes whatever the routing:
 * `sorted_layout`: rows sorted by expert, each expert's group padded to a
   multiple of `tile` (tile=1: no padding, the `ragged_dot` contract).
 * `capacity_layout`: a fixed bucket of `capacity` rows per expert, `[E, C]`,
-  filled in priority order; assignments past capacity were dropped by routing.
+  filled in priority order; assignments past capacity were dropped by routing,
+  or get no row (the all-to-all's bounded per-destination buffers).
 
 Expert-parallel token dispatchers (`moe_jax.moe.dispatcher`) exchange these
 buffers between devices without changing the router or the expert computation.
@@ -68,11 +69,14 @@ def sorted_layout(routing: Routing, num_experts: int, tile: int = 1) -> RowMap:
 
 
 def capacity_layout(routing: Routing, num_experts: int, capacity: int) -> RowMap:
-    """A `[num_experts, capacity]` bucket per expert, best-weighted assignments first."""
+    """A `[num_experts, capacity]` bucket per expert, best-weighted kept assignments
+    first (ties to the earlier token). A kept assignment past its bucket gets no row
+    (`num_rows`, as if dropped): callers whose routing may overflow read that as a drop."""
     num_tokens = routing.expert_index.shape[0]
     num_rows = num_experts * capacity
-    _, rank = capacity_keep(routing.expert_index, routing.weights, num_experts, capacity)
-    row = jnp.where(routing.keep, routing.expert_index * capacity + rank, num_rows)
+    priority = jnp.where(routing.keep, routing.weights, -1.0)  # dropped ones rank last
+    fits, rank = capacity_keep(routing.expert_index, priority, num_experts, capacity)
+    row = jnp.where(routing.keep & fits, routing.expert_index * capacity + rank, num_rows)
     token = jnp.broadcast_to(jnp.arange(num_tokens, dtype=jnp.int32)[:, None], row.shape)
     source = jnp.full(num_rows, num_tokens, jnp.int32)
     source = source.at[row.reshape(-1)].set(token.reshape(-1), mode="drop")

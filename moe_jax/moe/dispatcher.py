@@ -64,6 +64,11 @@ class TokenDispatcher:
         """Routed tokens [T, d] -> rows for this device's experts."""
         return Dispatched(tokens, routing)
 
+    def delivered(self, routing: Routing, sent: Dispatched) -> Routing:
+        """`routing` less the assignments `dispatch` had no room for (bounded static
+        buffers), so that the router statistics count them as drops."""
+        return routing
+
     def combine(self, out: jax.Array, sent: Dispatched) -> jax.Array:
         """Expert outputs of `sent.rows` -> [T, d] for the routed tokens (partial sums
         where other devices hold the other experts)."""

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from moe_jax.config import MoEConfig
 from moe_jax.kernels.grouped_matmul import ragged_gmm, tiled_gmm
+from moe_jax.model import remat
 from moe_jax.model.layers import cast_like
 from moe_jax.moe import dispatch as dsp
 from moe_jax.moe.routing import Routing
@@ -39,7 +40,10 @@ Gmm = Callable[[jax.Array, jax.Array], jax.Array]
 
 
 def _swiglu(x: jax.Array, w: ExpertWeights, gmm: Gmm) -> jax.Array:
-    return gmm(jax.nn.silu(gmm(x, w.gate)) * gmm(x, w.up), w.down)
+    """fc2(SiLU(fc1(x)) * fc3(x)); the projections' outputs are named for selective
+    recomputation, which rebuilds the product from them."""
+    gate, up = remat.tag((gmm(x, w.gate), gmm(x, w.up)), remat.FC1_FC3)
+    return remat.tag(gmm(jax.nn.silu(gate) * up, w.down), remat.FC2)
 
 
 def tiled(x: jax.Array, routing: Routing, w: ExpertWeights, cfg: MoEConfig) -> jax.Array:
@@ -76,7 +80,7 @@ def dense(x: jax.Array, routing: Routing, w: ExpertWeights, cfg: MoEConfig) -> j
     out = jnp.zeros(x.shape, jnp.float32)
     for e in range(cfg.num_experts):
         gate = jnp.sum(jnp.where(routing.expert_index == e, routing.weights, 0.0), axis=-1)
-        y = (jax.nn.silu(x @ w.gate[e]) * (x @ w.up[e])) @ w.down[e]
+        y = _swiglu(x, jax.tree.map(lambda a, e=e: a[e], w), jnp.matmul)
         out = out + gate[:, None] * y.astype(jnp.float32)
     return out.astype(x.dtype)
 

@@ -13,7 +13,9 @@ the owners run their experts, and a second all-to-all brings the results back
 to be combined. Buffers have static shapes: per destination, room for every
 assignment of the device's tokens in dropless mode, or E/n experts times the
 per-device capacity in capacity mode. Drops are decided per device, over the
-tokens it holds, as in the paper.
+tokens it holds, as in the paper. `parallel.a2a_buffer_factor` > 0 bounds each
+buffer to that multiple of a balanced share (`buffer_slots`); what does not fit
+is dropped like a capacity drop and counted in the router statistics.
 
 `AllGatherDispatcher` (`ep_ag`, `etp`, `ep_etp`) is the paper's all-gather form:
 every device all-gathers the group's tokens, routes them all (the router is
@@ -30,6 +32,7 @@ the whole batch on one device.
 from __future__ import annotations
 
 import dataclasses
+import math
 from fractions import Fraction
 
 import jax
@@ -41,6 +44,7 @@ from moe_jax.moe import experts as expert_impls
 from moe_jax.moe.dispatcher import Dispatched, TokenDispatcher
 from moe_jax.moe.losses import RouterStats
 from moe_jax.moe.routing import Routing, restrict
+from moe_jax.parallel.fsdp import gather_weights
 from moe_jax.parallel.layout import DATA, EXPERT, INTRA, ROUTER_STATS, TOKEN_EXCHANGE
 from moe_jax.parallel.spec import ExpertSpec, Sizes
 
@@ -52,10 +56,17 @@ def block_specs(layout, params):
 
 
 def run_block(layout, body, x: jax.Array, params):
-    """`body(x, params) -> (y, stats)` per device, tokens as the attention layout left them."""
+    """`body(x, params) -> (y, stats)` per device, tokens as the attention layout left them.
+    Expert weights split over 'data' (`parallel.expert_fsdp`) are gathered first; the
+    gather's transpose reduce-scatters their gradients."""
     x_spec, param_spec = block_specs(layout, params)
+
+    def gathered(x, params):
+        weights = gather_weights(layout, params.experts, expert_impls.AXES)
+        return body(x, dataclasses.replace(params, experts=weights))
+
     return jax.shard_map(
-        body, mesh=layout.mesh, in_specs=(x_spec, param_spec), out_specs=(x_spec, P())
+        gathered, mesh=layout.mesh, in_specs=(x_spec, param_spec), out_specs=(x_spec, P())
     )(x, params)
 
 
@@ -115,10 +126,41 @@ def received_routing(expert: jax.Array, present: jax.Array) -> Routing:
     )
 
 
-def send_slots(tokens: int, cfg, local_experts: int) -> int:
+BUFFER_ALIGN = 8  # rows; bounded buffers are rounded up to this (sublane multiple)
+Rows = int | Fraction  # exact in the dispatchers, fractional in the planning models
+
+
+def buffer_slots(worst: Rows, tokens: Rows, cfg, local_experts: int, factor: float) -> Rows:
+    """Rows of one per-destination buffer: `worst` (what can never overflow) when
+    `factor` is 0, else `factor` times a balanced share T·k/n of the device's
+    assignments, rounded up to `BUFFER_ALIGN` rows and never above `worst`. The one
+    rule every all-to-all dispatcher and its models size their buffers by."""
+    if not factor:
+        return worst
+    n = cfg.num_experts // local_experts
+    share = math.ceil(factor * tokens * cfg.top_k / n)
+    return min(worst, -(-share // BUFFER_ALIGN) * BUFFER_ALIGN)
+
+
+def send_slots(tokens: Rows, cfg, local_experts: int, factor: float = 0.0) -> Rows:
     """Rows of the static buffer for each destination: every assignment of the device's
-    tokens (dropless), or the destination's experts times the per-device capacity."""
-    return tokens * cfg.top_k if cfg.dropless else local_experts * cfg.capacity(tokens)
+    tokens (dropless), or the destination's experts times the per-device capacity;
+    bounded by `factor` (see `buffer_slots`)."""
+    worst = tokens * cfg.top_k if cfg.dropless else local_experts * cfg.capacity(int(tokens))
+    return buffer_slots(worst, tokens, cfg, local_experts, factor)
+
+
+def fit(routing: Routing, local: int, n: int, slots: int) -> tuple[dsp.RowMap, Routing]:
+    """Buffers of `slots` rows for each of `n` destinations (owners of `local` experts
+    each) and the routing they deliver: an assignment past its destination's buffer
+    is dropped like a capacity drop (weight 0, not kept, so the token keeps only its
+    residual and the drop is counted), the best-weighted first, ties to the earlier
+    token."""
+    owner = dataclasses.replace(routing, expert_index=routing.expert_index // local)
+    send = dsp.capacity_layout(owner, n, slots)
+    kept = send.row < n * slots
+    weights = jnp.where(kept, routing.weights, 0.0)
+    return send, dataclasses.replace(routing, keep=kept, weights=weights)
 
 
 class AllToAllDispatcher(TokenDispatcher):
@@ -129,6 +171,7 @@ class AllToAllDispatcher(TokenDispatcher):
         self.n = layout.size(INTRA)  # the mesh's 'tensor' axis has size 1 for this layout
         self.local = cfg.num_experts // self.n
         self.batch_axes, self.seq_axes = layout.batch_axes, layout.seq_axes
+        self.factor = layout.a2a_buffer_factor
 
     @property
     def compute_cfg(self):
@@ -136,9 +179,8 @@ class AllToAllDispatcher(TokenDispatcher):
         return dataclasses.replace(self.cfg, num_experts=self.local, capacity_factor=0.0)
 
     def dispatch(self, tokens: jax.Array, routing: Routing) -> Dispatched:
-        slots = send_slots(tokens.shape[0], self.cfg, self.local)
-        owner = dataclasses.replace(routing, expert_index=routing.expert_index // self.local)
-        send = dsp.capacity_layout(owner, self.n, slots)
+        slots = send_slots(tokens.shape[0], self.cfg, self.local, self.factor)
+        send, routing = fit(routing, self.local, self.n, slots)
         expert_of_row = jnp.full(self.n * slots, self.local, jnp.int32)
         expert_of_row = expert_of_row.at[send.row.reshape(-1)].set(
             (routing.expert_index % self.local).reshape(-1), mode="drop"
@@ -148,6 +190,9 @@ class AllToAllDispatcher(TokenDispatcher):
         return Dispatched(
             rows, received_routing(expert, expert < self.local), state=(send, routing)
         )
+
+    def delivered(self, routing: Routing, sent: Dispatched) -> Routing:
+        return sent.state[1]  # `fit`'s routing (the ragged form keeps it there too)
 
     def combine(self, out: jax.Array, sent: Dispatched) -> jax.Array:
         send, routing = sent.state
@@ -163,15 +208,17 @@ def gathered_bytes(config, s: Sizes) -> Fraction:
     return 2 * s.T * s.h * s.B * s.f
 
 
-def padded_bytes(config, s: Sizes) -> Fraction:
-    """n static buffers of `send_slots` rows there and back, and their int32 expert ids."""
-    moe = config.moe
-    if moe.dropless:
-        slots = s.t * moe.top_k
-    else:
-        slots = Fraction(moe.num_experts, s.n) * moe.capacity(int(s.t))
+def buffer_bytes(s: Sizes, slots: Rows) -> Fraction:
+    """n buffers of `slots` rows there and back, and their int32 expert ids."""
     rows = s.n * slots
     return 2 * s.f * rows * s.h * s.B + s.f * rows * 4
+
+
+def padded_bytes(config, s: Sizes) -> Fraction:
+    """The static buffers of `send_slots` rows (parallel.a2a_buffer_factor included)."""
+    moe = config.moe
+    local = moe.num_experts // s.n
+    return buffer_bytes(s, send_slots(s.t, moe, local, config.parallel.a2a_buffer_factor))
 
 
 def _a2a_paper(config, s: Sizes) -> Fraction:

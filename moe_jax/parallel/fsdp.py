@@ -14,25 +14,30 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from moe_jax.parallel import checks
-from moe_jax.parallel.layout import ALL, DATA, local_attention
+from moe_jax.parallel.layout import ALL, DATA
 from moe_jax.parallel.spec import AttentionSpec
 
 
-def _gather_weights(layout, weights, axes):
-    """The whole weights, gathered as stored (float32): their transpose, the gradient
-    reduce-scatter, then runs in float32 too."""
+def _over_data(axis) -> bool:
+    """Whether a dimension placed on mesh `axis` is split over 'data' as its minor part
+    (a lone 'data', or a tuple ending in it), so a gather over 'data' undoes just that."""
+    return axis == DATA or (isinstance(axis, tuple) and axis[-1:] == (DATA,))
+
+
+def gather_weights(layout, weights, axes):
+    """The weights with their 'data' split gathered, as stored (float32): their transpose,
+    the gradient reduce-scatter, then runs in float32 too. Used inside `shard_map`."""
 
     def gather(w, names):
-        spec = layout.param_spec(names)
-        dims = [i for i, axis in enumerate(spec) if axis == DATA]
+        dims = [i for i, axis in enumerate(layout.param_spec(names)) if _over_data(axis)]
         return jax.lax.all_gather(w, DATA, axis=dims[0], tiled=True) if dims else w
 
     return jax.tree.map(gather, weights, axes, is_leaf=lambda t: isinstance(t, tuple))
 
 
-def fsdp_attention(layout, block, x, positions, weights, axes):
+def fsdp_attention(layout, block, x, positions, weights, axes, attend):
     def body(x, positions, weights):
-        return block(x, positions, _gather_weights(layout, weights, axes), local_attention)
+        return block(x, positions, gather_weights(layout, weights, axes), attend)
 
     spec = layout.activation_spec()
     in_specs = (spec, P(*spec[:2]), layout.weight_specs(axes))
@@ -43,7 +48,7 @@ def fsdp_attention(layout, block, x, positions, weights, axes):
 
 def fsdp_mlp(layout, block, x, weights, axes):
     def body(x, weights):
-        return block(x, _gather_weights(layout, weights, axes))
+        return block(x, gather_weights(layout, weights, axes))
 
     spec = layout.activation_spec()
     in_specs = (spec, layout.weight_specs(axes))

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from functools import partial
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from moe_jax.moe.dispatcher import TokenDispatcher
-from moe_jax.parallel.spec import AttentionSpec, ExpertSpec
+from moe_jax.parallel.spec import AttentionSpec, ExpertSpec, VocabSpec
 
 DATA, EXPERT, TENSOR = "data", "expert", "tensor"
 INTRA = (EXPERT, TENSOR)  # the intra-node group as one axis
@@ -28,18 +30,14 @@ MESH_AXES = (DATA, EXPERT, TENSOR)
 ALL = (DATA, *INTRA)
 # Name scopes that mark collectives in the compiled program, read by
 # `moe_jax.tools.comm_report`: tokens moved between layouts, and the router
-# statistics combined across devices. Other collectives serve parameters.
-TOKEN_EXCHANGE, ROUTER_STATS = "token_exchange", "router_stats"
+# statistics combined across devices, and the vocabulary-parallel loss's gathers and
+# reductions. Other collectives serve parameters.
+TOKEN_EXCHANGE, ROUTER_STATS, LOSS_EXCHANGE = "token_exchange", "router_stats", "loss_exchange"
 
 
-def local_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Causal GQA attention on whatever this device holds (whole sequences, its heads)."""
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True)
-
-
-def local_attention_block(layout: Layout, block, x, positions, weights, axes):
+def local_attention_block(layout: Layout, block, x, positions, weights, axes, attend):
     """The attention block where it stands: one device, or batch-split under GSPMD."""
-    return block(x, positions, weights, local_attention)
+    return block(x, positions, weights, attend)
 
 
 def local_mlp(layout: Layout, block, x, weights, axes):
@@ -76,13 +74,22 @@ class Layout:
     attention_spec: AttentionSpec = DP
     expert_spec: ExpertSpec = LOCAL_EXPERTS
     param_rules: tuple[tuple[str, str | tuple[str, ...]], ...] = ()
+    # The table and head split over the vocabulary (`moe_jax.parallel.vocab_parallel`);
+    # None: whole, and the embedding and loss run where the tokens are.
+    vocab_spec: VocabSpec | None = None
+    # parallel.a2a_buffer_factor: the all-to-all dispatchers' buffer rows (0: worst case).
+    a2a_buffer_factor: float = 0.0
 
     # Each block kind runs under a name scope of its own, so the compiled
     # program says which block a collective belongs to.
-    def attention(self, block, x, positions, weights, axes):
-        """block(x, positions, weights, attend) -> out, run the way this layout runs it."""
+    def attention(self, block, x, positions, weights, axes, attend):
+        """block(x, positions, weights, attend) -> out, run the way this layout runs it.
+
+        `attend(q, k, v)` is causal attention on what one device holds (the model's
+        `model.attention_impl`); the layout decides which sequences and heads that is.
+        """
         with jax.named_scope("attention"):
-            return self.attention_spec.attention(self, block, x, positions, weights, axes)
+            return self.attention_spec.attention(self, block, x, positions, weights, axes, attend)
 
     def mlp(self, block, x, weights, axes):
         with jax.named_scope("mlp"):
@@ -92,6 +99,21 @@ class Layout:
         """forward(x, params, cfg, dispatcher) -> (y, stats), with this layout's dispatcher."""
         with jax.named_scope("moe"):
             return self.expert_spec.block(self, forward, x, params, cfg)
+
+    def embed(self, table: jax.Array, tokens: jax.Array) -> jax.Array:
+        """Rows of the embedding table (as stored, float32) for `tokens` [b, s]."""
+        if self.vocab_spec is None:
+            return jnp.take(table, tokens, axis=0)
+        with jax.named_scope("embed"):
+            return self.vocab_spec.embed(self, table, tokens)
+
+    @property
+    def chunk_loss(self):
+        """(x, head as stored, targets) -> one chunk's summed cross-entropy over vocabulary
+        shards, or None when the vocabulary is not split (the plain loss applies)."""
+        if self.vocab_spec is None:
+            return None
+        return partial(self.vocab_spec.cross_entropy, self)
 
     @property
     def batch_axes(self) -> tuple[str, ...]:

@@ -43,6 +43,8 @@ def make_layout(config: Config, mesh: Mesh) -> Layout:
         attention_spec=registry.attention_spec(config),
         expert_spec=registry.expert_spec(config),
         param_rules=registry.param_rules(config),
+        a2a_buffer_factor=config.parallel.a2a_buffer_factor,
+        vocab_spec=registry.vocab_spec(config),
     )
 
 
@@ -78,7 +80,8 @@ def placement(layout: Layout, names, shape: tuple[int, ...], data: int, over_dat
     `data` divides over 'data'. The planner's memory model places arrays with this too."""
     spec = list(layout.param_spec(names))
     spec += [None] * (len(shape) - len(spec))
-    if over_data and data > 1 and DATA not in spec:
+    used = {a for axis in spec for a in ((axis,) if isinstance(axis, str) else axis or ())}
+    if over_data and data > 1 and DATA not in used:
         free = [i for i, axis in enumerate(spec) if axis is None and shape[i] % data == 0]
         if free:
             spec[free[0]] = DATA

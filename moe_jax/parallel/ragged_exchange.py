@@ -31,7 +31,10 @@ capacity). Bytes on the wire: the padded form sends (n-1)*T*k rows per
 device whatever the routing; this form sends only the routed rows that leave
 the device, at most T*k (about (n-1)/n * T*k when balanced). The experts
 still compute on the whole static receive buffer (empty rows are masked), as
-in the padded form.
+in the padded form. `parallel.a2a_buffer_factor` > 0 bounds B as it bounds the
+padded form's buffers (`buffer_slots`): each source first drops, as the padded
+form does, the assignments past B rows for one destination, so no region
+overflows and the receive and compute buffers hold n*B rows.
 
 `ragged_all_to_all` takes a tuple of axis names; it runs over the intra
 group `INTRA`, as the padded form does ('tensor' has size 1 for this
@@ -56,6 +59,9 @@ from moe_jax.moe.routing import Routing
 from moe_jax.parallel.expert_parallel import (
     EP_A2A,
     AllToAllDispatcher,
+    buffer_bytes,
+    buffer_slots,
+    fit,
     padded_bytes,
     received_routing,
 )
@@ -65,12 +71,13 @@ from moe_jax.parallel.spec import Sizes
 NAME = "ep_a2a_ragged"  # the `parallel.experts` name this layout is registered under
 
 
-def receive_bound(num_tokens: int, cfg: MoEConfig, local_experts: int) -> int:
-    """Rows one source can send one destination: the size B of its receive region."""
+def receive_bound(num_tokens: int, cfg: MoEConfig, local_experts: int, factor: float = 0.0) -> int:
+    """Rows one source can send one destination: the size B of its receive region
+    (bounded by `factor`, see `buffer_slots`)."""
     bound = num_tokens * min(cfg.top_k, local_experts)
     if not cfg.dropless:
         bound = min(bound, local_experts * cfg.capacity(num_tokens))
-    return bound
+    return buffer_slots(bound, num_tokens, cfg, local_experts, factor)
 
 
 def send_header(group_sizes: jax.Array, n: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -122,7 +129,8 @@ class RaggedAllToAllDispatcher(AllToAllDispatcher):
 
     def dispatch(self, tokens: jax.Array, routing: Routing) -> Dispatched:
         n, local = self.n, self.local
-        bound = receive_bound(tokens.shape[0], self.cfg, local)
+        bound = receive_bound(tokens.shape[0], self.cfg, local, self.factor)
+        _, routing = fit(routing, local, n, bound)  # at most `bound` rows per destination
         send = dsp.sorted_layout(routing, self.cfg.num_experts)  # by expert, so by destination
         sizes, offsets, header = send_header(send.group_sizes, n)
         with jax.named_scope(TOKEN_EXCHANGE):
@@ -143,10 +151,11 @@ class RaggedAllToAllDispatcher(AllToAllDispatcher):
 
 
 def _ragged_bytes(config, s: Sizes) -> Fraction:
-    """Dropless, only the routed rows move: 1/n of the padded form's static buffers
-    (balanced routing); with capacity the buffers are the bound."""
+    """Dropless, only the routed rows move: t·k per device (balanced routing), at most
+    what the bounded buffers hold; with capacity the buffers are the bound."""
     padded = padded_bytes(config, s)
-    return padded / s.n if config.moe.dropless else padded
+    routed = buffer_bytes(s, s.t * config.moe.top_k / s.n)
+    return min(routed, padded) if config.moe.dropless else padded
 
 
 EP_A2A_RAGGED = dataclasses.replace(

@@ -8,18 +8,25 @@ module that holds its block function, listed below.
 
 from __future__ import annotations
 
+from moe_jax.kernels import attention as attention_impls
 from moe_jax.parallel.expert_parallel import EP_A2A, EP_AG, EP_ETP, ETP
 from moe_jax.parallel.fsdp import FSDP
 from moe_jax.parallel.layout import DATA, DP, EXPERT, TENSOR
 from moe_jax.parallel.ragged_exchange import EP_A2A_RAGGED
-from moe_jax.parallel.spec import AttentionSpec, ExpertSpec
+from moe_jax.parallel.spec import AttentionSpec, ExpertSpec, VocabSpec
 from moe_jax.parallel.tensor_parallel import TP
 from moe_jax.parallel.ulysses import SP
+from moe_jax.parallel.vocab_parallel import VOCAB_PARALLEL
 
 ATTENTION: dict[str, AttentionSpec] = {s.name: s for s in (DP, FSDP, TP, SP)}
 EXPERTS: dict[str, ExpertSpec] = {s.name: s for s in (EP_A2A, EP_A2A_RAGGED, EP_AG, ETP, EP_ETP)}
-# Expert weights are always placed this way; the mesh shape decides the split.
-EXPERT_RULES = (("experts", EXPERT), ("expert_mlp", TENSOR))
+
+
+def expert_rules(config) -> tuple:
+    """Expert weights: experts over 'expert', each one's width over 'tensor' (the mesh
+    shape decides the split) and, with `parallel.expert_fsdp`, over 'data' as well."""
+    width = (TENSOR, DATA) if config.parallel.expert_fsdp else TENSOR
+    return (("experts", EXPERT), ("expert_mlp", width))
 
 
 def attention_spec(config) -> AttentionSpec:
@@ -47,7 +54,15 @@ def mesh_sizes(config) -> dict[str, int]:
 
 def param_rules(config) -> tuple:
     """Logical parameter axes -> mesh axes for the plan (unnamed axes are replicated)."""
-    return attention_spec(config).rules(config) + EXPERT_RULES
+    vocab = vocab_spec(config)
+    return (
+        attention_spec(config).rules(config) + expert_rules(config) + (vocab.rules if vocab else ())
+    )
+
+
+def vocab_spec(config) -> VocabSpec | None:
+    """The vocabulary split of the plan (`parallel.vocab_parallel`), or None."""
+    return VOCAB_PARALLEL if config.parallel.vocab_parallel else None
 
 
 def problems(config, num_devices: int, platform: str) -> list[str]:
@@ -84,6 +99,11 @@ def problems(config, num_devices: int, platform: str) -> list[str]:
                 f"moe.expert_mlp_dim={e.expert_mlp_dim} must be divisible by the {tp} "
                 f"expert-tensor-parallel devices of parallel.experts={experts.name!r}"
             )
+        elif p.expert_fsdp and e.expert_mlp_dim % (tp * p.data):
+            found.append(
+                f"parallel.expert_fsdp splits moe.expert_mlp_dim={e.expert_mlp_dim} over "
+                f"{tp} expert-tensor x {p.data} data devices, which must divide it"
+            )
     batch_split = p.data * (p.intra if set(attention.batch_axes) & {EXPERT, TENSOR} else 1)
     if t.batch_size % (batch_split * t.grad_accum):
         found.append(
@@ -97,7 +117,13 @@ def problems(config, num_devices: int, platform: str) -> list[str]:
             f"divisible by the parallel.intra={p.intra} devices parallel.attention="
             f"{attention.name!r} splits the sequence over"
         )
-    return found + attention.problems(config)
+    found += attention_impls.problems(config.model.attention_impl, config.model.dtype, platform)
+    if config.model.remat == "offload" and platform != "gpu":
+        found.append(
+            f"model.remat='offload' moves kept activations to pinned host memory, which "
+            f"XLA:{platform.upper()} does not have; use 'selective' there"
+        )
+    return found + attention.problems(config) + VOCAB_PARALLEL.problems(config)
 
 
 def check(config, num_devices: int, platform: str) -> None:

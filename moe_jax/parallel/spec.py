@@ -54,9 +54,11 @@ def _no_problems(config) -> list[str]:
 class AttentionSpec:
     """An attention layout; dense MLP blocks (and shared experts) follow it.
 
-    `attention(layout, block, x, positions, weights, axes)` and
+    `attention(layout, block, x, positions, weights, axes, attend)` and
     `mlp(layout, block, x, weights, axes)` run a block the layout's way; weights
-    arrive as stored (float32) and the block casts them where it computes.
+    arrive as stored (float32) and the block casts them where it computes. `attend`
+    is the per-device attention (`model.attention_impl`) the layout calls on the
+    sequences and heads a device holds.
     """
 
     name: str
@@ -107,10 +109,23 @@ class ExpertSpec:
     # Routes the gathered tokens of the whole intra group (else its own tokens).
     gathers_tokens: bool = False
     # Rows one source sends one destination, (tokens per device, moe config, local
-    # experts) -> rows; None for layouts that exchange no per-destination buffers.
-    receive_slots: Callable[[int, Any, int], int] | None = None
+    # experts, parallel.a2a_buffer_factor) -> rows; None for layouts that exchange no
+    # per-destination buffers.
+    receive_slots: Callable[[int, Any, int, float], int] | None = None
     uses_etp: bool = False  # parallel.etp sets its split (and labels the plan)
     etp_choices: Callable[[int], list[int]] = lambda n: [2]  # the planner's etp sizes
     token_bytes: Bytes = _none
     paper_bytes: Bytes = _none
     paper_equation: str = "?"
+
+
+@dataclasses.dataclass(frozen=True)
+class VocabSpec:
+    """How the embedding table and the output head are split over the vocabulary: the
+    lookup and one chunk's cross-entropy, each run the split's way."""
+
+    name: str
+    embed: Callable  # (layout, table as stored, tokens [b, s]) -> [b, s, d] float32
+    cross_entropy: Callable  # (layout, x, head as stored, targets) -> the chunk's summed loss
+    rules: tuple = ()  # logical parameter axis -> mesh axes, for the table and head
+    problems: Problems = _no_problems

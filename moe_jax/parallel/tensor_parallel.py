@@ -21,7 +21,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from moe_jax.parallel import checks
-from moe_jax.parallel.layout import DATA, INTRA, TOKEN_EXCHANGE, local_attention
+from moe_jax.parallel.layout import DATA, INTRA, TOKEN_EXCHANGE
 from moe_jax.parallel.spec import AttentionSpec, Sizes
 
 
@@ -42,7 +42,7 @@ def _my_kv_head(weights, n: int):
     return dataclasses.replace(weights, key=take(weights.key), value=take(weights.value))
 
 
-def tp_attention(layout, block, x, positions, weights, axes):
+def tp_attention(layout, block, x, positions, weights, axes, attend):
     """x [b, s, d] with the sequence split over the intra group -> the same."""
     n = layout.size(INTRA)
     whole_kv = layout.param_spec(axes.key)[1] is None  # fewer kv heads than devices
@@ -50,7 +50,7 @@ def tp_attention(layout, block, x, positions, weights, axes):
     def body(x, positions, weights):
         if whole_kv:
             weights = _my_kv_head(weights, n)
-        out = block(_gather_sequence(x), positions, weights, local_attention)
+        out = block(_gather_sequence(x), positions, weights, attend)
         return _sum_and_scatter_sequence(out)
 
     spec = layout.activation_spec()

@@ -21,8 +21,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from moe_jax.model import remat
 from moe_jax.parallel import checks
-from moe_jax.parallel.layout import DATA, INTRA, TOKEN_EXCHANGE, local_attention, local_mlp
+from moe_jax.parallel.layout import DATA, INTRA, TOKEN_EXCHANGE, local_mlp
 from moe_jax.parallel.spec import AttentionSpec, Sizes
 
 
@@ -34,21 +35,21 @@ def _heads_to_seq(x: jax.Array) -> jax.Array:
     return jax.lax.all_to_all(x, INTRA, split_axis=1, concat_axis=2, tiled=True)
 
 
-def ulysses_attention(layout, block, x, positions, weights, axes):
+def ulysses_attention(layout, block, x, positions, weights, axes, attend):
     """x [b, s, d] with the sequence split over the intra group -> the same."""
     n = layout.size(INTRA)
 
-    def attend(q, k, v):
+    def exchange_and_attend(q, k, v):
         if k.shape[2] < n:
             k, v = (jnp.repeat(t, n // t.shape[2], axis=2) for t in (k, v))
         with jax.named_scope(TOKEN_EXCHANGE):
             q, k, v = _seq_to_heads(q), _seq_to_heads(k), _seq_to_heads(v)
-        o = local_attention(q, k, v)
+        o = attend(q, k, v)
         with jax.named_scope(TOKEN_EXCHANGE):
-            return _heads_to_seq(o)
+            return remat.tag(_heads_to_seq(o), remat.ATTENTION_OUT)  # kept, not re-sent
 
     def body(x, positions, weights):
-        return block(x, positions, weights, attend)
+        return block(x, positions, weights, exchange_and_attend)
 
     spec = layout.activation_spec()
     in_specs = (spec, P(*spec[:2]), layout.weight_specs(axes))

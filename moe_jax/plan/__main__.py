@@ -52,7 +52,7 @@ def parse(argv: list[str]) -> list[str]:
 
 def table(ranking: planner.Ranking, top: int) -> list[str]:
     lines = [
-        f"{'#':>3} {'plan':<20}{'n':>3}{'pp':>4}{'data':>6}{'mb':>4}{'step ms':>11}"
+        f"{'#':>3} {'plan':<26}{'n':>3}{'pp':>4}{'data':>6}{'mb':>4}{'step ms':>11}"
         f"{'tokens/s':>13}{'MFU':>7}{'bubble':>8}{'comm ms':>10}{'mem GB':>8}"
     ]
     for i, c in enumerate(ranking.candidates[:top], 1):
@@ -64,8 +64,9 @@ def _row(tag: str, c: planner.Candidate) -> str:
     p, cost = c.plan, c.cost
     comm = sum(cost.breakdown.get(k, 0.0) for k in planner.EXCHANGES)
     label = p.label + (f"/{p.etp}" if registry.EXPERTS[p.experts].uses_etp else "")
+    label += "+fsdp" if p.expert_fsdp else ""
     return (
-        f"{tag:>3} {label:<20}{p.intra:>3}{p.pp:>4}{p.data:>6}{p.micro_batch:>4}"
+        f"{tag:>3} {label:<26}{p.intra:>3}{p.pp:>4}{p.data:>6}{p.micro_batch:>4}"
         f"{cost.step_s * 1e3:>11.3f}{cost.tokens_per_sec:>13,.0f}{cost.mfu:>7.1%}"
         f"{cost.bubble:>8.1%}{comm * 1e3:>10.3f}{c.memory.total / 1e9:>8.1f}"
     )

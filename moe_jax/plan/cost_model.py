@@ -69,7 +69,7 @@ from moe_jax.plan.hardware import GPU
 
 OVERLAPS = ("none", "megascale")
 GRAD_SYNCS = ("hierarchical", "per_micro_batch")
-REMATS = ("", "none", "selective", "full")
+REMATS = ("", "none", "selective", "offload", "full")
 ATTENTION_LAYOUTS = tuple(registry.ATTENTION)
 EXPERT_LAYOUTS = tuple(registry.EXPERTS)
 PARAM_BYTES = 4  # parameters are float32; fsdp gathers them as stored
@@ -109,6 +109,7 @@ class Plan:
     grad_sync: str = "hierarchical"  # or "per_micro_batch" (the trainer as compiled today)
     remat: str = ""  # "full", "selective" or "none"; "" = the config's model.remat
     grad_dtype: str = "float32"  # of the data-parallel gradient exchange ("bfloat16": halved)
+    expert_fsdp: bool = False  # expert weights also split over data, gathered per layer
 
     @property
     def devices(self) -> int:
@@ -406,8 +407,13 @@ class CostModel:
         return out
 
     def moe_exchanges(self) -> list[_Exchange]:
-        p = self.plan
-        return [_Exchange("expert_exchange", self.activation.experts, p.intra, 2, self.intra)]
+        p, m, e = self.plan, self.config.model, self.config.moe
+        out = [_Exchange("expert_exchange", self.activation.experts, p.intra, 2, self.intra)]
+        if p.expert_fsdp:  # this device's experts (its 1/n of the group's) from 'data'
+            out.append(
+                self._weight_gather(3 * m.embed_dim * e.expert_mlp_dim * e.num_experts // p.intra)
+            )
+        return out
 
     def _weight_gather(self, params: int) -> _Exchange:
         d = self.plan.data
@@ -440,14 +446,28 @@ class CostModel:
         """Forward, backward and recompute of one block for one micro-batch: "full" runs
         the whole forward again, exchanges included; "selective" (MegaScale-MoE's selective
         activation rematerialization) only the memory-bound operators, whose outputs are
-        large and cheap to rebuild, keeping every GEMM's and exchange's result."""
+        large and cheap to rebuild, keeping every GEMM's and exchange's result except
+        what `_regathered` names ("offload" recomputes the same)."""
         tally = self._pass(ops, exchanges, backward=False)
         tally.add(self._pass(ops, exchanges, backward=True))
         if self.remat == "full":
             tally.add(self._pass(ops, exchanges, backward=False))
-        elif self.remat == "selective":
-            tally.add(self._pass([op for op in ops if op.kind == "memory"], [], backward=False))
+        elif self.remat in ("selective", "offload"):
+            memory_bound = [op for op in ops if op.kind == "memory"]
+            tally.add(self._pass(memory_bound, self._regathered(exchanges), backward=False))
         return tally
+
+    def _regathered(self, exchanges: list[_Exchange]) -> list[_Exchange]:
+        """What selective recomputation gathers again: weights split over data, and
+        (tp) the sequence the projections read: the all-gather half of the exchange."""
+        out = [x for x in exchanges if x.kind == "weight_gather"]
+        if self.attention_spec.gathers_sequence:
+            out += [
+                dataclasses.replace(x, bytes=x.bytes / 2, count=1)
+                for x in exchanges
+                if x.kind == "attention_exchange"
+            ]
+        return out
 
     def layer(self, moe: bool) -> Tally:
         tally = self.block(self.attention_ops(), self.attention_exchanges())
@@ -457,10 +477,19 @@ class CostModel:
             tally.add(self.block(self.mlp_ops(), self.mlp_exchanges()))
         return tally
 
+    def head_exchanges(self) -> list[_Exchange]:
+        """parallel.vocab_parallel: the loss gathers the group's hidden states (bf16) and
+        the embedding reduce-scatters its float32 rows, each once per pass."""
+        if not self.config.parallel.vocab_parallel:
+            return []
+        p, h, f = self.plan, self.config.model.embed_dim, (self.plan.intra - 1) / self.plan.intra
+        sent = self.T * h * (self.B + 4) * f
+        return [_Exchange("attention_exchange", sent, p.intra, 2, self.intra)]
+
     def head(self) -> Tally:
         """Output head and loss on the last stage (outside remat)."""
-        tally = self._pass(self.head_ops(), [], backward=False)
-        tally.add(self._pass(self.head_ops(), [], backward=True))
+        tally = self._pass(self.head_ops(), self.head_exchanges(), backward=False)
+        tally.add(self._pass(self.head_ops(), self.head_exchanges(), backward=True))
         return tally
 
     def layer_params(self, moe: bool) -> float:
@@ -473,19 +502,17 @@ class CostModel:
         if not moe:
             return attention + 3 * h * m.mlp_dim / split
         shared = 3 * h * e.shared_mlp_dim * e.num_shared_experts / split
-        return (
-            attention
-            + 3 * h * e.expert_mlp_dim * e.num_experts / p.intra
-            + h * e.num_experts
-            + shared
-        )
+        experts = 3 * h * e.expert_mlp_dim * e.num_experts / p.intra
+        experts /= p.data if p.expert_fsdp else 1
+        return attention + experts + h * e.num_experts + shared
 
     def stage_params(self) -> list[float]:
         """Parameters one device holds on each stage: its layers, the embedding on the
         first, the head on the last."""
         m, p = self.config.model, self.plan
         is_moe = [_is_moe_layer(m, i) for i in range(m.num_layers)]
-        table = m.vocab_size * m.embed_dim / self._intra_split
+        vocab_split = self.plan.intra if self.config.parallel.vocab_parallel else 1
+        table = m.vocab_size * m.embed_dim / max(self._intra_split, vocab_split)
         out = []
         for s, layers in enumerate(self.stage_layers()):
             ends = (s == 0) + (s == p.pp - 1 and not m.tie_embeddings)
@@ -607,10 +634,12 @@ def sized_config(config: Config, plan: Plan, global_batch: int) -> Config:
         data=plan.data,
         zero=plan.zero,
         etp=plan.etp,
+        expert_fsdp=plan.expert_fsdp,
     )
     micro_batches = global_batch // (plan.data * plan.micro_batch)
     train = dataclasses.replace(config.train, batch_size=global_batch, grad_accum=micro_batches)
-    return dataclasses.replace(config, parallel=parallel, train=train)
+    model = dataclasses.replace(config.model, remat=plan.remat or config.model.remat)
+    return dataclasses.replace(config, model=model, parallel=parallel, train=train)
 
 
 def step_cost(

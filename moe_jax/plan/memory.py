@@ -229,10 +229,16 @@ def _attention_terms(config: Config, z: _Sizes) -> dict[str, int]:
         cast = cast if z.B != FP32 else (2 * z.h * hd * FP32 if kv % n else 0)
     else:  # the cast copies of whole weights (float32 reads the parameters themselves)
         cast = z.h * (2 * a + 2 * kv) * hd * z.B if z.B != FP32 else 0
+    if m.attention_impl == "xla":  # the float32 softmax and B-byte probabilities, [s, s] each
+        scores = seqs * heads * z.s * (z.s * (FP32 + z.B) + 2 * FP32)
+    else:  # flash attention (blockwise, cudnn): each row's float32 logsumexp, and its
+        # output where an exchange follows (sp); elsewhere that is attention_out itself
+        exchanged = spec.heads_split and not spec.gathers_sequence
+        scores = seqs * heads * z.s * (FP32 + (hd * z.B if exchanged else 0))
     return {
         "norm": z.t * (2 * z.h + 2) * FP32 + proj_tokens * z.h * z.B,
         "qkv": seqs * z.s * (heads + 2 * kv_heads) * hd * z.B,
-        "scores": seqs * heads * z.s * (z.s * (FP32 + z.B) + 2 * FP32),
+        "scores": scores,
         "attention_out": proj_tokens * out_width * hd * z.B,
         "attention_weights": cast,
     }
@@ -288,7 +294,8 @@ def _expert_terms(
         capacity = slots or moe.capacity(tokens)
         rows = e_local * capacity if impl == "capacity" else tokens * choices
         copies, indices = 1, rows
-        weights = weights if z.B != FP32 else 0
+        # float32 weights are the parameters themselves, unless gathered over 'data'
+        weights = weights if z.B != FP32 or config.parallel.expert_fsdp else 0
     return {
         "expert_rows": copies * rows * z.h * z.B + 4 * indices,
         "expert_hidden": 6 * rows * f_local * z.B,
@@ -313,8 +320,10 @@ def block_activation_bytes(
       norms      t·(2h+2)·4 each (float32 input and normalised value, two statistics)
                  + the projections' input t·h·B (tp: the gathered b·s·h·B)
       q, k, v    seqs·s·(heads + 2·kv)·d·B after rotary (sp: after the exchange)
-      scores     seqs·heads·s·(s·(4+B) + 8): jax.nn.dot_product_attention's XLA path
-                 keeps the float32 softmax and the B-byte probabilities, [s, s] each
+      scores     model.attention_impl='xla': seqs·heads·s·(s·(4+B) + 8), the float32
+                 softmax and B-byte probabilities [s, s] each; blockwise and cudnn
+                 (flash attention): seqs·heads·s·4, each row's logsumexp, plus their
+                 output seqs·s·heads·d·B under sp (before its exchange back)
       out        the out-projection's input t·a·d·B (tp: b·s·(a/n)·d·B)
       weights    fsdp: the gathered weights; bf16: each layer's cast copy of its shard
       MoE        T routed tokens (ep_a2a: t; all-gather forms: the group's n·t):
@@ -322,7 +331,8 @@ def block_activation_bytes(
                  R expert rows of width h and 6 hidden [R, f_l] (gate, up, silu's
                  parts, product) at B bytes, where R = T·k static rows (all-gather
                  forms: every gathered assignment, not just the local ones; ep_a2a:
-                 the n·t·k received rows, n·slots; `tiled` pads each expert to a
+                 the n·t·k received rows, n·slots, or fewer with
+                 parallel.a2a_buffer_factor; `tiled` pads each expert to a
                  tile and keeps the rows twice, with a copy of the local weights
                  3·E_l·h·f_l·B; ragged_dot copies them only when cast to bf16)
       dense MLP  input t·h·B and 6 hidden t·w·B (tp: b·s·h·B and 6·b·s·(w/n)·B)
@@ -356,7 +366,8 @@ def block_activation_bytes(
         group_slots = None if e.dropless else e.capacity(routed)
     else:
         routed = z.t
-        slots = spec.receive_slots(z.t, e, local.num_experts)
+        factor = config.parallel.a2a_buffer_factor
+        slots = spec.receive_slots(z.t, e, local.num_experts, factor)
         local = dataclasses.replace(local, capacity_factor=0.0)
         tokens, choices = z.n * slots, 1  # the received rows, one expert each
         terms["exchange"] = tokens * 12  # received expert ids, row indices, weights
@@ -379,14 +390,42 @@ def _head_bytes(config: Config, z: _Sizes) -> int:
     return z.t * (2 * z.h + 2) * FP32 + z.t * z.h * z.B + logits + z.t * 3 * 4
 
 
-def unit_activation_bytes(config: Config, unit: tuple[str, int], micro_batch=None) -> int:
+def selective_block_bytes(config: Config, moe: bool, micro_batch: int | None = None) -> int:
+    """Bytes one block keeps under model.remat='selective' (`moe_jax.model.remat`): its
+    output t·h·B, the residual entering the FFN t·h·B, q/k/v, the attention core's
+    statistics (and output under sp) and the out-projection's input, the rows the
+    experts receive, fc1/fc3 (2 of the 6 hidden tensors) and fc2's rows; dense MLPs
+    and shared experts keep fc1/fc3. Everything else is rebuilt in the backward."""
+    z = _sizes(config, micro_batch)
+    terms = block_activation_bytes(config, moe, micro_batch)
+    flash = config.model.attention_impl != "xla"  # the xla core is recomputed whole
+    kept = 2 * z.t * z.h * z.B + terms["qkv"] + terms["attention_out"]
+    kept += terms["scores"] if flash else 0
+    kept += sum(terms.get(k, 0) for k in ("mlp_hidden", "shared_mlp_hidden")) // 3
+    if moe:
+        hidden = terms["expert_hidden"]
+        f_local = config.moe.expert_mlp_dim // registry.expert_split(config)[1]
+        rows = hidden // (6 * f_local * z.B)  # the (tile-padded) rows fc1..fc2 run on
+        received = (
+            terms["exchange"] // 12 if "exchange" in terms else terms["moe_input"] // (z.h * FP32)
+        )
+        kept += hidden // 3 + rows * z.h * z.B + received * z.h * z.B
+    return kept
+
+
+def unit_activation_bytes(
+    config: Config, unit: tuple[str, int], micro_batch=None, selective: bool = False
+) -> int:
     """Stored activations of one scanned unit: its dense blocks and, for an MoE unit,
-    its MoE block."""
+    its MoE block (`selective`: what model.remat='selective' keeps of them)."""
     kind, layers = unit
-    dense = sum(block_activation_bytes(config, False, micro_batch).values())
+    if selective:
+        block = lambda moe: selective_block_bytes(config, moe, micro_batch)
+    else:
+        block = lambda moe: sum(block_activation_bytes(config, moe, micro_batch).values())
     if kind == "dense":
-        return dense * layers
-    return dense * (layers - 1) + sum(block_activation_bytes(config, True, micro_batch).values())
+        return block(False) * layers
+    return block(False) * (layers - 1) + block(True)
 
 
 def stage_activation_bytes(
@@ -396,12 +435,20 @@ def stage_activation_bytes(
     and the working set of the backward itself, needed once however many micro-batches
     are in flight. With model.remat='full' each unit runs under jax.checkpoint: only
     its input x [t, h] is kept, and the backward recomputes one unit at a time,
-    holding that unit's activations."""
+    holding that unit's activations. With 'selective' (and 'offload', whose kept
+    tensors wait in host memory) each unit keeps its named tensors and the backward
+    rebuilds the rest of one unit at a time."""
     z = _sizes(config, micro_batch)
     per_unit = [unit_activation_bytes(config, unit, micro_batch) for unit in stage]
     head = _head_bytes(config, z) if last else 0
-    if config.model.remat == "full":
+    remat = config.model.remat
+    if remat == "full":
         return len(stage) * z.t * z.h * z.B + head, max(per_unit, default=0)
+    if remat in ("selective", "offload"):
+        kept = [unit_activation_bytes(config, u, micro_batch, selective=True) for u in stage]
+        rebuilt = max((a - k for a, k in zip(per_unit, kept, strict=True)), default=0)
+        on_device = sum(kept) if remat == "selective" else 0
+        return on_device + head, rebuilt
     return sum(per_unit) + head, 0
 
 

@@ -17,8 +17,10 @@ per micro-batch (the reductions sit inside the backward of each one):
   * weights GSPMD differentiates (embedding, head, norms, dp attention, dp/sp
     dense MLPs): one all-reduce over all devices when the batch is split over
     all of them (dp, fsdp), else one over the intra group and one over 'data';
-  * fsdp weights: all-gather forward and reduce-scatter of the gathered weight
-    over 'data', plus an all-reduce of the whole gathered gradient over intra;
+  * fsdp weights: all-gather forward (again in the recompute when model.remat is
+    not 'none') and reduce-scatter of the gathered weight over 'data', plus an
+    all-reduce of the whole gathered gradient over intra; expert weights under
+    `parallel.expert_fsdp` the same, over 'data' only;
   * tp kv weights kept whole (kv heads < n): an all-reduce over intra of the
     whole weight, and over 'data' of the one kv head a device uses (XLA moves that
     all-reduce before the scatter into the whole weight);
@@ -100,9 +102,17 @@ def parameter_bytes(config: Config, array: StateArray) -> float:
     size = device_bytes(config, array)
     block, splits = _block(config, array), _splits(config, array)
     weights_over = registry.attention_spec(config).weights_over
+    # Weights gathered over 'data' per block run the gather again when recomputed.
+    gathers = 1 if m.remat == "none" else 2
     if block in ("attention", "mlp") and weights_over == DATA:
         whole = size * d if DATA in splits else size
-        return 2 * _gather(whole, d) + _all_reduce(whole, n)
+        return (gathers + 1) * _gather(whole, d) + _all_reduce(whole, n)
+    if block == "experts" and DATA in splits:  # parallel.expert_fsdp
+        sizes = mesh_sizes(config)
+        rest = math.prod(sizes[a] for a in sizes if a not in splits)
+        return (gathers + 1) * _gather(size * d, d) + _all_reduce(size * d, rest)
+    if block == "outer" and "vocab" in array.names and p.vocab_parallel:
+        return _all_reduce(size, d)  # split over intra already: reduced over 'data' only
     if _by_gspmd(config, block):
         return _outer(config, size)
     if block == "attention" and weights_over == INTRA and not splits & {EXPERT, TENSOR}:

@@ -119,7 +119,7 @@ def plans(
     and shrinks the optimizer state. Searched pipelines cut the layers evenly (as
     Megatron-LM requires); `micro_batches` fixes the micro-batches per step,
     `micro_batch` the sequences in each; `grad_sync` picks the gradient sync model,
-    `remat` the recompute ("" = the config's; the memory check reads the config's) and
+    `remat` the recompute ("" = the config's; the memory model follows it) and
     `grad_dtype` the precision of the gradient exchange."""
     layers = config.model.num_layers
     stages = [pp] if pp else [s for s in _divisors(gpus) if layers % s == 0]
@@ -135,7 +135,11 @@ def plans(
             if micro_batch:
                 sizes = [b for b in sizes if b == micro_batch]
             kinds = _layouts(n, data, attention, experts)
-            for (att, exp, etp), b in ((k, b) for k in kinds for b in sizes if b > 0):
+            # Expert weights over 'data' too, where there is data parallelism.
+            fsdp = (False, True) if data > 1 else (False,)
+            for (att, exp, etp), b, split in (
+                (k, b, f) for k in kinds for b in sizes if b > 0 for f in fsdp
+            ):
                 plan = Plan(
                     att,
                     exp,
@@ -149,6 +153,7 @@ def plans(
                     grad_sync,
                     remat,
                     grad_dtype,
+                    split,
                 )
                 if problem(config, plan, global_batch, gpu) is None:
                     yield plan
@@ -279,6 +284,7 @@ def choose_plan(config: Config, num_devices: int, gpu: GPU | str = "h800") -> di
             "data": plan.data,
             "zero": plan.zero,
             "etp": plan.etp,
+            "expert_fsdp": plan.expert_fsdp,
         }
 
     def runs(plan: Plan) -> bool:
@@ -390,6 +396,7 @@ def summary(candidate: Candidate) -> dict:
         "data": p.data,
         "micro_batch": p.micro_batch,
         "zero": p.zero,
+        "expert_fsdp": p.expert_fsdp,
         "overlap": p.overlap,
         "tokens_per_sec": c.tokens_per_sec,
         "mfu": c.mfu,

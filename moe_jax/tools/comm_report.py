@@ -48,7 +48,7 @@ from ml_collections import config_flags
 
 from moe_jax import config as config_lib
 from moe_jax.parallel import mesh as mesh_lib
-from moe_jax.plan import comm_volume
+from moe_jax.plan import comm_volume, param_traffic
 from moe_jax.plan.resolve import check_plan
 from moe_jax.tools import hlo_collectives
 from moe_jax.train_step import init_state, train_step
@@ -108,7 +108,7 @@ def summarize(config: config_lib.Config, collectives: list) -> dict:
             "predicted_attention": int(predicted.attention),
             "predicted_experts": int(predicted.experts),
         }
-    total = sum(measured.values()) / per_layer
+    total = (measured["token_exchange"] + measured["router_stats"]) / per_layer  # the layers
     rows = hlo_collectives.aggregate(collectives)
     return {
         "attention": p.attention,
@@ -125,7 +125,10 @@ def summarize(config: config_lib.Config, collectives: list) -> dict:
             "widened_to_f32": widened,
             "paper": None if paper is None else dataclasses.asdict(paper),
         },
+        "zero": p.zero,
+        "expert_fsdp": p.expert_fsdp,
         "param_grad_bytes_per_step": sum(c.total for c in collectives if c.role == "param_grad"),
+        "predicted_param_grad_bytes_per_step": param_traffic.gradient_bytes_per_step(config),
         "activation_bytes_per_step": sum(c.total for c in collectives if c.role == "activation"),
         "dense_layers": m.num_layers - m.num_moe_layers,
         "num_layers": m.num_layers,
@@ -196,7 +199,8 @@ def format_report(result: dict) -> str:
     lines += [
         "",
         f"plan: attention={result['attention']} experts={result['experts']} "
-        f"intra n={result['n']} data={result['data']}; compiled in "
+        f"intra n={result['n']} data={result['data']} zero={result['zero']} "
+        f"expert_fsdp={result['expert_fsdp']}; compiled in "
         f"{result['compile_seconds']} s",
         f"activation bytes per MoE layer per device, forward ({per}):",
         f"  measured  {a['measured']:>14,.0f}  (token_exchange "
@@ -229,7 +233,11 @@ def format_report(result: dict) -> str:
         )
     if not result["counts_known"]:
         lines.append("  note: some loop trip counts were unknown; those collectives count once")
-    lines.append(f"param_grad bytes per step per device: {result['param_grad_bytes_per_step']:,}")
+    lines.append(
+        f"param_grad bytes per step per device: {result['param_grad_bytes_per_step']:,} "
+        f"(predicted {result['predicted_param_grad_bytes_per_step']:,}, "
+        "moe_jax.plan.param_traffic)"
+    )
     return "\n".join(lines)
 
 

@@ -1,0 +1,162 @@
+"""Causal grouped-query attention in blocks, never holding the [s, s] scores.
+
+Why: XLA's `jax.nn.dot_product_attention` builds the [b, h, s, s] scores and
+keeps the float32 softmax for the backward, so attention memory grows with s².
+Here the sequence is cut into blocks of `block_size(s)` positions. The forward
+walks the query blocks and, for each, only the key blocks at or below the
+causal diagonal (blocks above it are never computed), with an online softmax
+(FlashAttention): it keeps the output and each row's logsumexp. The backward
+(FlashAttention-2) walks the key blocks and, for each, the query blocks at or
+below the diagonal, recomputing each block's probabilities from q, k and the
+logsumexp. What is stored grows linearly with s; one block's scores
+[b, c, heads, c] are the largest temporary.
+
+Shapes are [b, s, heads, head_dim] for q and [b, s, kv_heads, head_dim] for k
+and v; query heads are grouped by the kv head they share, so k and v are never
+repeated. Softmax statistics and accumulators are float32 whatever the input
+dtype; outputs and gradients come back in the inputs' dtypes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+MAX_BLOCK = 512  # positions per block at most (see block_size)
+# The name of the output and logsumexp the backward reads, so that a remat policy can
+# keep them (`moe_jax.model.remat`) instead of re-running the forward.
+RESIDUALS = "attention_core"
+F32 = jnp.float32
+
+
+def block_size(s: int) -> int:
+    """The largest divisor of `s` up to MAX_BLOCK, so that blocks tile the sequence
+    exactly (a sequence with no large divisor runs in small, slower blocks)."""
+    return next(c for c in range(min(s, MAX_BLOCK), 0, -1) if s % c == 0)
+
+
+def _zeros(shape: tuple[int, ...], *like: jax.Array) -> jax.Array:
+    """float32 zeros plus an exact zero taken from each of `like`: inside shard_map a
+    loop carry must vary over the same mesh axes as the values written into it."""
+    zero = sum(jnp.zeros_like(x.reshape(-1)[0], F32) for x in like)
+    return jnp.zeros(shape, F32) + zero
+
+
+def _block(x: jax.Array, index: jax.Array, c: int) -> jax.Array:
+    """Positions [index·c, (index+1)·c) of x [b, s, ...]."""
+    return jax.lax.dynamic_slice_in_dim(x, index * c, c, axis=1)
+
+
+def _put(x: jax.Array, block: jax.Array, index: jax.Array, c: int) -> jax.Array:
+    return jax.lax.dynamic_update_slice_in_dim(x, block.astype(x.dtype), index * c, axis=1)
+
+
+def _dot(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """einsum in b's dtype (a float32 block cast down, as flash attention multiplies in
+    the inputs' precision), accumulated in float32."""
+    return jnp.einsum(spec, a.astype(b.dtype), b, preferred_element_type=F32)
+
+
+def _scores(qi: jax.Array, kj: jax.Array, i: jax.Array, j: jax.Array, c: int) -> jax.Array:
+    """Scaled, causally masked float32 scores [b, c, kv, group, c] of query block i
+    ([b, c, kv, group, d]) against key block j ([b, c, kv, d])."""
+    scores = _dot("bqkgd,bckd->bqkgc", qi, kj) / math.sqrt(qi.shape[-1])
+    rows, cols = i * c + jnp.arange(c), j * c + jnp.arange(c)
+    visible = rows[:, None] >= cols[None, :]
+    return jnp.where(visible[None, :, None, None, :], scores, -jnp.inf)
+
+
+def _grouped(q: jax.Array, kv_heads: int) -> jax.Array:
+    """[b, s, heads, d] -> [b, s, kv_heads, group, d]: each kv head's query heads."""
+    b, s, h, d = q.shape
+    return q.reshape(b, s, kv_heads, h // kv_heads, d)
+
+
+def _forward(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(out [b, s, heads, d], logsumexp [b, s, kv, group] float32)."""
+    qg = _grouped(q, k.shape[2])
+    b, s, kv, g, d = qg.shape
+    c = block_size(s)
+
+    def query_block(i, carry):
+        out, lse = carry
+        qi = _block(qg, i, c)
+
+        def key_block(j, state):
+            """Online softmax: the row maximum so far, the sum of exp(score - maximum)
+            and the output's numerator, rescaled whenever the maximum grows."""
+            top, total, acc = state
+            scores = _scores(qi, _block(k, j, c), i, j, c)
+            new_top = jnp.maximum(top, scores.max(-1))
+            p = jnp.exp(scores - new_top[..., None])
+            rescale = jnp.exp(top - new_top)
+            acc = rescale[..., None] * acc + _dot("bqkgc,bckd->bqkgd", p, _block(v, j, c))
+            return new_top, rescale * total + p.sum(-1), acc
+
+        rows = (b, c, kv, g)
+        zeros = _zeros(rows, q, k, v)
+        init = (zeros - jnp.inf, zeros, _zeros((*rows, d), q, k, v))
+        # Key blocks 0..i only: those above the diagonal are fully masked.
+        top, total, acc = jax.lax.fori_loop(0, i + 1, key_block, init)
+        return _put(out, acc / total[..., None], i, c), _put(lse, top + jnp.log(total), i, c)
+
+    init = (jnp.zeros_like(qg), _zeros((b, s, kv, g), q, k, v))
+    out, lse = jax.lax.fori_loop(0, s // c, query_block, init)
+    return out.reshape(q.shape), lse
+
+
+def _backward(q, k, v, out, lse, grad):
+    """FlashAttention-2's backward: dq accumulated over key blocks, each key block's
+    dk and dv over the query blocks that see it (summed over the group's heads)."""
+    kv = k.shape[2]
+    qg, og, dog = (_grouped(x, kv) for x in (q, out, grad))
+    b, s, _, _, d = qg.shape
+    c = block_size(s)
+    # rowsum(dO * O): the softmax's backward term, per row.
+    delta = jnp.einsum("bskgd,bskgd->bskg", dog.astype(F32), og.astype(F32))
+
+    def key_block(j, carry):
+        dq, dk, dv = carry
+        kj, vj = _block(k, j, c), _block(v, j, c)
+
+        def query_block(i, state):
+            dq, dkj, dvj = state
+            qi, doi = _block(qg, i, c), _block(dog, i, c)
+            p = jnp.exp(_scores(qi, kj, i, j, c) - _block(lse, i, c)[..., None])
+            dvj += _dot("bqkgc,bqkgd->bckd", p, doi)
+            dp = _dot("bqkgd,bckd->bqkgc", doi, vj)
+            ds = p * (dp - _block(delta, i, c)[..., None]) / math.sqrt(d)
+            dkj += _dot("bqkgc,bqkgd->bckd", ds, qi)
+            dq = _put(dq, _block(dq, i, c) + _dot("bqkgc,bckd->bqkgd", ds, kj), i, c)
+            return dq, dkj, dvj
+
+        block = (b, c, kv, d)
+        init = (dq, _zeros(block, q, k, v, grad), _zeros(block, q, k, v, grad))
+        # Query blocks j.. only: those before the diagonal do not see key block j.
+        dq, dkj, dvj = jax.lax.fori_loop(j, s // c, query_block, init)
+        return dq, _put(dk, dkj, j, c), _put(dv, dvj, j, c)
+
+    init = (_zeros(qg.shape, q, k, v, grad), jnp.zeros_like(k), jnp.zeros_like(v))
+    dq, dk, dv = jax.lax.fori_loop(0, s // c, key_block, init)
+    return dq.reshape(q.shape).astype(q.dtype), dk, dv
+
+
+@jax.custom_vjp
+def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal GQA attention, like `jax.nn.dot_product_attention(q, k, v, is_causal=True)`."""
+    return _forward(q, k, v)[0]
+
+
+def _fwd(q, k, v):
+    out, lse = (checkpoint_name(t, RESIDUALS) for t in _forward(q, k, v))
+    return out, (q, k, v, out, lse)
+
+
+def _bwd(residuals, grad):
+    return _backward(*residuals, grad)
+
+
+blockwise_attention.defvjp(_fwd, _bwd)
