@@ -14,6 +14,9 @@ and times them, in a single run (device time is scarce).
 3. The ragged all-to-all expert layout (`bench/gpu_ragged_exchange.py`, GPU
    only: XLA:CPU does not implement `ragged_all_to_all`) against the padded
    all-to-all layout: loss, gradients and time.
+4. The attention cores (`bench/gpu_attention.py`): cuDNN flash attention and the
+   blockwise core against float32 `xla` attention, and their time; one model step
+   with `model.remat='offload'` against `selective`.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import argparse
 import dataclasses
 import json
 
+import gpu_attention
 import gpu_ragged_exchange
 import jax
 import jax.numpy as jnp
@@ -117,6 +121,8 @@ def main() -> None:
     report["ok"] = all(v < 1e-4 for v in report["max_rel_error"].values())
     report["ragged_exchange"] = gpu_ragged_exchange.run(args.small)
     report["ok"] = report["ok"] and report["ragged_exchange"]["ok"]
+    report["attention"] = gpu_attention.run(args.small)
+    report["ok"] = report["ok"] and report["attention"]["ok"]
     print(json.dumps(report), flush=True)
     raise SystemExit(0 if report["ok"] else 1)  # a failed check fails the command too
 

@@ -156,6 +156,8 @@ def run(config: config_lib.Config, workdir: str | Path) -> dict[str, Any]:
             for step in range(start + 1, tc.steps + 1):
                 if profile and step == profile[0]:
                     jax.profiler.start_trace(str(workdir / "profile"))
+                # Steps are dispatched asynchronously: this batch goes to the devices
+                # while the previous step still runs there.
                 batch = pipeline.global_array(next(train_batches), sharding, tc.batch_size)
                 state, metrics = step_fn(state, batch)
                 if profile and step == profile[1] - 1:

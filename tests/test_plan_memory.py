@@ -384,3 +384,32 @@ def test_mixtral_8x7b_train_step_compiles_on_64_devices_as_the_memory_model_says
     assert int(whole) > 500e9 and int(init) < int(whole) / 40
     assert int(compiled) == pytest.approx(int(predicted), rel=0.15), plan
     assert int(predicted) <= 0.9 * 80e9
+
+
+def test_gradient_accumulation_holds_a_second_gradient():
+    """With several micro-batches the step holds the gradients' running sum and one
+    micro-batch's: XLA's temporaries grow by one gradient (the memory model's grads
+    double), whatever the number of micro-batches."""
+    from moe_jax.train_step import train_step
+
+    def temp(accum: int) -> int:
+        config = _plan(BASE, "sp", "ep_a2a", remat="full")
+        train = dataclasses.replace(config.train, batch_size=8 * accum, grad_accum=accum)
+        config = dataclasses.replace(config, train=train)
+        layout = mesh_lib.make_layout(config, mesh_lib.make_mesh(config))
+        graphdef, state = jax.eval_shape(lambda: init_state(config, layout))
+        shardings = mesh_lib.train_state_shardings(state, layout, 0)
+        place = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+        state = jax.tree.map(place, state, shardings)
+        tokens = jax.ShapeDtypeStruct(
+            (8 * accum, 16), jnp.int32, sharding=mesh_lib.batch_sharding(layout)
+        )
+        step = jax.jit(functools.partial(train_step, graphdef, config), donate_argnums=0)
+        lowered = step.lower(state, {"inputs": tokens, "targets": tokens})
+        compiled = lowered.compile(compiler_options=FAST)
+        return compiled.memory_analysis().temp_size_in_bytes, memory.memory_per_device(config)
+
+    (one, one_model), (two, two_model), (four, _) = temp(1), temp(2), temp(4)
+    assert two_model.grads == 2 * one_model.grads
+    assert two - one == pytest.approx(one_model.grads, rel=0.1)
+    assert four == pytest.approx(two, rel=0.01)  # not a third gradient

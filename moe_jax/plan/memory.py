@@ -35,7 +35,8 @@ class Memory:
     """Bytes on one device (the worst pipeline stage).
 
     params: parameters and router biases; grads: one gradient per parameter,
-    placed like it; optimizer: AdamW's two moments and counts, the step
+    placed like it (two with several micro-batches: the step's sum and the current
+    micro-batch's); optimizer: AdamW's two moments and counts, the step
     counter and the RNG key; activations: what the forward keeps for the
     backward, for every micro-batch in flight.
     """
@@ -477,6 +478,7 @@ def memory_per_device(config: Config, pp: int = 1, micro_batch: int | None = Non
     for i, stage in enumerate(stage_units(config, pp)):
         first, last = i == 0, i == pp - 1
         state = _state_bytes(config, stage, first, last)
+        state["grads"] *= 2 if in_flight > 1 else 1  # the sum and one micro-batch's
         kept, working = stage_activation_bytes(config, stage, last, micro_batch)
         memory = Memory(**state, activations=kept * min(pp - i, in_flight) + working)
         if worst is None or memory.total > worst.total:
