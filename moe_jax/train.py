@@ -12,11 +12,11 @@ import sys
 from pathlib import Path
 
 from absl import app, flags, logging
-from ml_collections import config_flags
 
+from moe_jax import cli
 from moe_jax import config as config_lib
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "Config file.")
+_CONFIG = cli.define_config_flag()
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (default: runs/<config name>).")
 _COORDINATOR = flags.DEFINE_string("coordinator", "", "host:port of process 0 (multi-process).")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", 0, "Processes in the job.")
@@ -55,4 +55,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=cli.parse)

@@ -18,8 +18,8 @@ import os
 import sys
 
 from absl import app, flags
-from ml_collections import config_flags
 
+from moe_jax import cli
 from moe_jax import config as config_lib
 from moe_jax.parallel import registry
 from moe_jax.plan import cost_model, planner
@@ -28,7 +28,7 @@ from moe_jax.plan.hardware import GPUS, get
 
 def define_flags() -> None:
     """Defined only when run as a program (moe_jax.train owns a --config flag too)."""
-    config_flags.DEFINE_config_file("config", "configs/default.py", "Config file.")
+    cli.define_config_flag()
     flags.DEFINE_integer("gpus", None, "GPUs in the cluster.", lower_bound=1)
     flags.DEFINE_enum("gpu", "h800", sorted(GPUS), "GPU preset.", case_sensitive=False)
     flags.DEFINE_integer(
@@ -40,14 +40,6 @@ def define_flags() -> None:
     flags.DEFINE_integer("top", 10, "Plans to list.", lower_bound=1)
     flags.DEFINE_bool("json", False, "End stdout with one line of JSON.")
     flags.mark_flag_as_required("gpus")
-
-
-def parse(argv: list[str]) -> list[str]:
-    """absl's parser, with any flag error as one line and exit status 1."""
-    try:
-        return flags.FLAGS(argv)
-    except flags.Error as error:
-        raise SystemExit(f"error: {error}") from None
 
 
 def table(ranking: planner.Ranking, top: int) -> list[str]:
@@ -137,4 +129,4 @@ def main(argv: list[str]) -> None:
 if __name__ == "__main__":
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the memory model only traces shapes
     define_flags()
-    app.run(main, flags_parser=parse)
+    app.run(main, flags_parser=cli.parse)

@@ -44,8 +44,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 from absl import app, flags
-from ml_collections import config_flags
 
+from moe_jax import cli
 from moe_jax import config as config_lib
 from moe_jax.parallel import mesh as mesh_lib
 from moe_jax.plan import comm_volume, param_traffic
@@ -277,7 +277,7 @@ def format_comparison(results: list[dict]) -> str:
 def define_flags() -> None:
     """The CLI's flags; defined only when run as a program, so that importing `report`
     next to `moe_jax.train` (which owns a `--config` flag too) does not clash."""
-    config_flags.DEFINE_config_file("config", "configs/default.py", "Config file.")
+    cli.define_config_flag()
     flags.DEFINE_bool("json", False, "End stdout with one line of JSON.")
     flags.DEFINE_list("compare", [], "attention+experts plans to compare, e.g. tp+etp,sp+ep_a2a.")
 
@@ -308,4 +308,4 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main)
+    app.run(main, flags_parser=cli.parse)

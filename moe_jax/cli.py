@@ -1,0 +1,121 @@
+"""What every command line shares: the `--config` flag and one-line errors for bad flags.
+
+Why: absl and ml_collections report an unknown `--config.<section>.<key>` override, a
+missing config file or a malformed flag as a 40-line traceback raised while the flags
+are parsed, before `main` runs. `parse` is the flags parser the commands hand to
+`absl.app.run`: it turns each of those into `error: ...` on one line and exit status 1,
+naming the setting, what was probably meant and what is valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+from pathlib import Path
+
+from absl import flags
+from ml_collections import config_flags
+
+from moe_jax import config as config_lib
+
+# The repository's configs, found from the package so that a command works from any
+# directory (`pip install -e .` keeps the package inside the repository).
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+DEFAULT_CONFIG = CONFIGS / "default.py"
+
+
+def define_config_flag(argv: list[str] | None = None):
+    """`--config=FILE` (default: the repository's configs/default.py, from any directory).
+
+    ml_collections reads the file and applies the `--config.*` overrides in `argv`
+    (default: sys.argv) as soon as the flag is defined, so they are checked first."""
+    argv = sys.argv if argv is None else argv
+    problem = check_config_args(argv)
+    if problem:
+        raise SystemExit(f"error: {problem}")
+    return config_flags.DEFINE_config_file("config", str(DEFAULT_CONFIG), "Config file.")
+
+
+def _config_file(argv: list[str]) -> str | None:
+    """The FILE of `--config=FILE` or `--config FILE`, if given."""
+    for i, arg in enumerate(argv[1:], 1):
+        if arg.startswith("--config="):
+            return arg.split("=", 1)[1]
+        if arg == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+    return None
+
+
+def check_config_args(argv: list[str]) -> str | None:
+    """The first problem of the config flags in `argv` (a missing file, an override that
+    names no setting), as one line, or None."""
+    name = _config_file(argv)
+    if name is not None and not Path(name.split(":", 1)[0]).is_file():
+        return f"cannot load --config={name}: no such file (configs are in {CONFIGS})"
+    for path in _overrides(argv):
+        problem = unknown_setting(path)
+        if problem:
+            return problem
+    return None
+
+
+def _closest(word: str, valid: list[str]) -> str | None:
+    close = difflib.get_close_matches(word, valid, n=1)
+    return close[0] if close else None
+
+
+def unknown_setting(path: str) -> str | None:
+    """Why `--config.<path>` names no setting (with the closest one that exists and
+    what is valid), or None when it names one."""
+    section, _, key = path.partition(".")
+    name = key.split(".")[0]
+    sections = sorted(config_lib.SECTIONS)
+    if section not in config_lib.SECTIONS:
+        guess = _closest(section, sections)
+        meant = f"{guess}.{name}" if guess else None
+        if guess and name not in _fields(guess):
+            meant = guess
+        hint = f" (did you mean {meant}?)" if meant else ""
+        return f"unknown setting {path}{hint}; valid sections: {sections}"
+    fields = _fields(section)
+    if name not in fields:
+        guess = _closest(name, fields)
+        hint = f" (did you mean {section}.{guess}?)" if guess else ""
+        return f"unknown setting {section}.{name}{hint}; valid settings of {section}: {fields}"
+    return None
+
+
+def _fields(section: str) -> list[str]:
+    return sorted(f.name for f in dataclasses.fields(config_lib.SECTIONS[section]))
+
+
+def _overrides(argv: list[str]) -> list[str]:
+    """The `<section>.<key>` paths of the `--config.<section>.<key>[=value]` flags."""
+    found = []
+    for arg in argv[1:]:
+        if arg.startswith("--config."):
+            found.append(arg[len("--config.") :].split("=", 1)[0])
+    return found
+
+
+def parse(argv: list[str]) -> list[str]:
+    """absl's flags parser with every flag error as one line (exit status 1)."""
+    problem = check_config_args(argv)
+    if problem:
+        raise SystemExit(f"error: {problem}")
+    try:
+        rest = flags.FLAGS(argv)
+        if "config" in flags.FLAGS:
+            flags.FLAGS.config  # noqa: B018  (loads the file: a missing one fails here)
+    except flags.Error as error:
+        raise SystemExit(f"error: {error}") from None
+    except OSError:
+        name = flags.FLAGS["config"].config_filename
+        raise SystemExit(
+            f"error: cannot load --config={name}: no such file or not readable"
+        ) from None
+    except (KeyError, AttributeError, TypeError, ValueError) as error:
+        message = str(error).strip("'\"").splitlines()[0]
+        raise SystemExit(f"error: bad --config override: {message}") from None
+    return rest
