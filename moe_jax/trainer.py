@@ -20,6 +20,7 @@ import numpy as np
 
 from moe_jax import config as config_lib
 from moe_jax import flops, memory_check
+from moe_jax import workdir as workdir_lib
 from moe_jax.checkpoint import Checkpointer
 from moe_jax.data import pipeline
 from moe_jax.metrics import MetricsLogger
@@ -89,7 +90,11 @@ def run(config: config_lib.Config, workdir: str | Path) -> dict[str, Any]:
     tc = config.train
     process = jax.process_index()
     checkpoints = Checkpointer(workdir / "checkpoints", tc.keep_checkpoints)
+    lock = workdir_lib.Lock(workdir)
     try:
+        workdir_lib.check(workdir)  # first: a path that cannot be a workdir costs nothing
+        if process == 0:
+            lock.check_free()
         chose = config.parallel.layout == "auto"
         config = check_plan(config, jax.device_count())
         if chose:
@@ -110,8 +115,21 @@ def run(config: config_lib.Config, workdir: str | Path) -> dict[str, Any]:
         for line in lines:
             say(line)
         memory_check.check(config, need, limit)
+        took_over = lock.acquire() if process == 0 else None  # the run's first write
     except ValueError as error:
         raise RunError(str(error)) from None
+    if took_over:
+        say(took_over)
+    try:
+        return _train(config, workdir, layout, sharding, checkpoints, train_batches, config_dict)
+    finally:
+        lock.release()
+
+
+def _train(config, workdir: Path, layout, sharding, checkpoints, train_batches, config_dict):
+    """The run itself, once everything that can reject it has been checked."""
+    tc, process = config.train, jax.process_index()
+    rows = pipeline.local_rows(sharding, tc.batch_size, tc.seq_len)
 
     # The state is built (or read) straight into the plan's shardings, placed as the
     # step's outputs will be, so nothing exists whole on one device and step 1 does not
