@@ -8,7 +8,6 @@ complete, so a crash mid-save leaves the previous checkpoint as the latest.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -65,9 +64,7 @@ class Checkpointer:
         step = self.latest_step()
         if step is None:
             return
-        saved_path = self.directory / str(step) / "config" / "metadata"
-        saved = json.loads(saved_path.read_text()) if saved_path.exists() else {}
-        ours, theirs = _flat(config), _flat(saved)
+        ours, theirs = _flat(config), _flat(self.saved_config(step))
         for key in sorted(set(ours) | set(theirs)):
             if ours.get(key) != theirs.get(key):
                 raise ValueError(
@@ -75,6 +72,14 @@ class Checkpointer:
                     f"{key}={theirs.get(key)!r} there, {ours.get(key)!r} here; "
                     "use a new --workdir or the matching config"
                 )
+
+    def saved_config(self, step: int) -> dict[str, Any]:
+        """The resolved config the checkpoint of `step` was written with (read through
+        orbax, whatever its file layout)."""
+        restored = self.manager.restore(
+            step, args=ocp.args.Composite(config=ocp.args.JsonRestore())
+        )
+        return restored["config"] or {}
 
     def save(self, step: int, state, data_state: dict, config: dict) -> bool:
         """Starts an asynchronous save; returns whether one was started."""

@@ -14,9 +14,24 @@ from tensorboardX import SummaryWriter
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
+    """The logged rows; a torn last line (a crash mid-write) is left out."""
+    return _read(path)[0]
+
+
+def _read(path: Path) -> tuple[list[dict[str, Any]], bool]:
+    """(rows, whether a torn last line was left out)."""
     if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return [], False
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for i, line in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            if i == len(lines) - 1:
+                return rows, True
+            raise ValueError(f"{path} line {i + 1} is not JSON; move the file aside") from None
+    return rows, False
 
 
 def _rewrite(path: Path, rows: list[dict[str, Any]]) -> None:
@@ -29,7 +44,8 @@ class MetricsLogger:
     """One JSON object per line, the same scalars to TensorBoard, progress to the terminal.
 
     On resume, lines logged after the restored step (by a run that died before
-    its next checkpoint) are dropped, so the file reads as one uninterrupted run.
+    its next checkpoint) are dropped, and a torn last line (a crash mid-write) with
+    them, so the file reads as one uninterrupted run.
     In a multi-process job only process 0 logs (`enabled`); the others keep quiet.
     """
 
@@ -38,9 +54,9 @@ class MetricsLogger:
         self.enabled = enabled
         if not enabled:
             return
-        rows = read_rows(self.path)
+        rows, torn = _read(self.path)
         kept = [row for row in rows if row["step"] <= start_step]
-        if len(kept) != len(rows):
+        if torn or len(kept) != len(rows):
             _rewrite(self.path, kept)
         self._file = self.path.open("a")
         self._tb = SummaryWriter(str(workdir / "tb"))

@@ -24,6 +24,18 @@ _PROCESS_ID = flags.DEFINE_integer("process_id", -1, "This process's index in th
 
 
 def main(argv: list[str]) -> None:
+    try:
+        _main(argv)
+    except KeyboardInterrupt:  # before training started (the loop saves and stops itself)
+        print(
+            "error: interrupted (Ctrl-C) before training started; run again to start",
+            file=sys.stderr,
+            flush=True,
+        )
+        raise SystemExit(130) from None
+
+
+def _main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise SystemExit(
             f"error: unexpected arguments {argv[1:]}; settings go in --config.<a>.<b>="

@@ -84,6 +84,52 @@ def _step_row(step: int, metrics: dict[str, Any], throughput: dict, plan: dict) 
     return row
 
 
+# Settings a resume cannot change: the data iterator's saved position depends on them.
+FIXED_ON_RESUME = (
+    "train.batch_size",
+    "train.seq_len",
+    "train.seed",
+    "data.source",
+    "data.path",
+    "data.val_fraction",
+)
+
+
+def _resume_changes(ours: dict, saved: dict, step: int) -> list[str]:
+    """Lines naming the settings that differ from the checkpoint's; a ValueError for one
+    that cannot change."""
+    flat = lambda c: {f"{s}.{k}": v for s, section in c.items() for k, v in section.items()}
+    ours, saved = flat(ours), flat(saved)
+    changed = [k for k in sorted(ours) if k in saved and ours[k] != saved[k]]
+    for key in changed:
+        if key in FIXED_ON_RESUME:
+            raise ValueError(
+                f"{key}={ours[key]!r} here but {saved[key]!r} in the checkpoint of step {step}: "
+                "the data position cannot carry over; use the checkpoint's value or a new "
+                "--workdir"
+            )
+    if not changed:
+        return []
+    listed = ", ".join(f"{k}={ours[k]!r} (was {saved[k]!r})" for k in changed)
+    return [f"resuming step {step} with changed settings: {listed}"]
+
+
+def _check_own_config_json(workdir: Path) -> None:
+    """A config.json in the workdir that no run wrote is the user's: never overwrite it."""
+    path = workdir / "config.json"
+    if not path.exists():
+        return
+    try:
+        ours = set(json.loads(path.read_text())) == set(config_lib.SECTIONS)
+    except (ValueError, TypeError):
+        ours = False
+    if not ours:
+        raise ValueError(
+            f"{path} was not written by a run (it is not a resolved config); move it aside "
+            "or use another --workdir"
+        )
+
+
 def run(config: config_lib.Config, workdir: str | Path) -> dict[str, Any]:
     """Trains (or resumes) `config` in `workdir`; returns the last logged rows."""
     workdir = Path(workdir)
@@ -111,6 +157,14 @@ def run(config: config_lib.Config, workdir: str | Path) -> dict[str, Any]:
         pipeline.make_iterator(config, "val", rows, shuffle=False)  # fails early on a bad split
         config_dict = dataclasses.asdict(config)
         checkpoints.check_compatible(config_dict)
+        _check_own_config_json(workdir)
+        start = checkpoints.latest_step() or 0
+        if start:
+            for line in _resume_changes(config_dict, checkpoints.saved_config(start), start):
+                say(line)
+            if tc.steps <= start:
+                say(f"already complete at step {start} (train.steps={tc.steps}); nothing to do")
+                return {}
         need, limit, lines = memory_check.summary(config)
         for line in lines:
             say(line)
@@ -155,7 +209,10 @@ def _train(config, workdir: Path, layout, sharding, checkpoints, train_batches, 
         donate_argnums=0,  # the new state reuses the old one's buffers
     )
     eval_fn = jax.jit(partial(eval_step, graphdef, config))
-    logger = MetricsLogger(workdir, tc.steps, start, enabled=process == 0)
+    try:
+        logger = MetricsLogger(workdir, tc.steps, start, enabled=process == 0)
+    except ValueError as error:  # a damaged metrics.jsonl
+        raise RunError(str(error)) from None
     tokens_per_step = tc.batch_size * tc.seq_len
     flops_per_step = flops.flops_per_token(config.model, config.moe, tc.seq_len) * tokens_per_step
     peak = flops.peak_flops(jax.devices()[0])

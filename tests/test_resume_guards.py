@@ -1,0 +1,100 @@
+"""Resuming is explicit and never loses a user's files: changed settings are named, those
+the data position depends on are refused, a finished run says so, a torn metrics line
+is repaired, a user's own config.json is left alone, and Ctrl-C at start-up is one line."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import signal
+from pathlib import Path
+
+import pytest
+
+from moe_jax import trainer
+from moe_jax.metrics import read_rows
+from tests.test_trainer import TINY, _snapshot, _start, _train_cmd, _wait_for, tiny_config
+
+
+def _ran(tmp_path: Path, steps: int = 2) -> Path:
+    run = tmp_path / "run"
+    trainer.run(tiny_config(steps=steps, eval_every=0, checkpoint_every=steps), run)
+    return run
+
+
+def _refused(config, run: Path, *words: str) -> None:
+    before = _snapshot(run)
+    with pytest.raises(trainer.RunError) as error:
+        trainer.run(config, run)
+    assert "\n" not in str(error.value)
+    for word in words:
+        assert word in str(error.value), error.value
+    assert _snapshot(run) == before
+
+
+def test_changed_batch_size_is_refused_and_other_changes_are_named(tmp_path, capsys):
+    run = _ran(tmp_path)
+    _refused(tiny_config(steps=4, eval_every=0, batch_size=16), run, "train.batch_size=16", "8")
+    capsys.readouterr()
+    trainer.run(tiny_config(steps=3, eval_every=0, checkpoint_every=2, learning_rate=1e-3), run)
+    out = capsys.readouterr().out
+    assert "resuming step 2 with changed settings: train.learning_rate=0.001 (was 0.003), " in out
+    assert "train.steps=3 (was 2)" in out
+
+
+def test_a_finished_run_says_so_and_writes_nothing(tmp_path, capsys):
+    run = _ran(tmp_path, steps=2)
+    before = _snapshot(run)
+    capsys.readouterr()
+    trainer.run(tiny_config(steps=1, eval_every=0, checkpoint_every=2), run)
+    assert "already complete at step 2 (train.steps=1); nothing to do" in capsys.readouterr().out
+    assert _snapshot(run) == before
+
+
+def test_a_torn_last_metrics_line_is_repaired(tmp_path):
+    run = _ran(tmp_path, steps=2)
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 3, "lo')  # a crash in the middle of a write
+    trainer.run(tiny_config(steps=4, eval_every=0, checkpoint_every=2), run)
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines]  # every line is whole again
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
+    assert read_rows(run / "metrics.jsonl") == rows
+
+
+def test_a_users_own_config_json_is_never_overwritten(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text('{"my": "notes"}\n')
+    _refused(tiny_config(steps=1), run, "config.json", "not written by a run")
+
+
+def test_ctrl_c_during_start_up_is_one_line(tmp_path):
+    run = tmp_path / "run"
+    proc = _start(_train_cmd(run, *TINY, "--config.train.steps=50"))
+    seen: list[str] = []
+
+    def started() -> bool:  # the memory line comes just before the state is built
+        seen.append(proc.stdout.readline())
+        return "memory per device" in seen[-1]
+
+    _wait_for(started, 120, proc)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    if "interrupted" not in err and proc.returncode == 0:
+        pytest.skip("start-up ended before the signal arrived")
+    assert proc.returncode in (130, 0), err  # 0: it reached the loop, which saves and stops
+    assert "Traceback" not in err
+    if proc.returncode == 130:
+        assert err.strip().splitlines()[-1].startswith("error: interrupted (Ctrl-C)")
+
+
+def test_resume_settings_come_from_the_checkpoint_not_its_files(tmp_path):
+    """The compatibility check reads the saved config through orbax, so it holds whatever
+    orbax names its files."""
+    run = _ran(tmp_path)
+    from moe_jax.checkpoint import Checkpointer
+
+    saved = Checkpointer(run / "checkpoints", 3).saved_config(2)
+    want = dataclasses.asdict(tiny_config(steps=2, eval_every=0, checkpoint_every=2))
+    assert saved["model"] == want["model"] and saved["train"]["steps"] == 2
