@@ -50,3 +50,10 @@ def test_default_config_is_found_from_any_directory(tmp_path):
     run = _run(tmp_path, *COMMANDS["plan"], "--config.train.batch_size=8", "--top=1")
     assert run.returncode == 0, run.stderr[-2000:]
     assert "plans on 8 x H800" in run.stdout
+
+
+def test_comm_report_compare_on_one_device_says_what_it_needs(tmp_path):
+    run = _run(tmp_path, *COMMANDS["comm_report"], "--compare=tp+etp,sp+ep_a2a")
+    assert run.returncode == 1 and "Traceback" not in run.stderr
+    last = run.stderr.strip().splitlines()[-1]
+    assert "parallel.intra=1" in last and "xla_force_host_platform_device_count" in last

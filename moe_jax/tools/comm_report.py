@@ -252,7 +252,15 @@ def compare(config: config_lib.Config, plans: list[str], compiler_options=None) 
         parallel = dataclasses.replace(config.parallel, attention=attention, experts=experts)
         one = dataclasses.replace(config, parallel=parallel)
         config_lib.validate(one)
-        configs.append(validated(one, jax.device_count()))
+        one = validated(one, jax.device_count())
+        if one.parallel.intra < 2:
+            raise ValueError(
+                f"--compare compares how layouts exchange tokens inside an intra group, but "
+                f"parallel.intra={one.parallel.intra} on {jax.device_count()} device(s) has "
+                "none; set --config.parallel.intra=N (N > 1) on N or more devices (on CPU: "
+                "XLA_FLAGS=--xla_force_host_platform_device_count=N)"
+            )
+        configs.append(one)
     return [report(one, compiler_options) for one in configs]
 
 
