@@ -8,6 +8,7 @@ complete, so a crash mid-save leaves the previous checkpoint as the latest.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,17 @@ def _flat(config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _damaged_file(error: Exception, directory: Path) -> str:
+    """The file under `directory` an error names, else the error's first line."""
+    text = str(error)
+    match = re.search(re.escape(str(directory)) + r"[^\s'\"\],)]*", text)
+    if match and match.group(0).rstrip("/") != str(directory):
+        return match.group(0)
+    first = text.strip().splitlines()[0] if text.strip() else type(error).__name__
+    first = first.split(". See full")[0]  # tensorstore appends a method's repr
+    return f"{directory}: {first[:160]}"
+
+
 class Checkpointer:
     """The checkpoints of one run directory."""
 
@@ -59,12 +71,63 @@ class Checkpointer:
             return None
         return self.manager.latest_step()
 
+    def steps(self) -> list[int]:
+        """Saved steps, newest first."""
+        if not self.directory.exists():
+            return []
+        return sorted(self.manager.all_steps(), reverse=True)
+
+    def newest_readable(self) -> tuple[int, dict[str, Any]] | None:
+        """(step, saved config) of the newest checkpoint whose config reads; reads only."""
+        for step in self.steps():
+            try:
+                return step, self.saved_config(step)
+            except Exception:  # damaged: `restore_newest` reports it and moves it aside
+                continue
+        return None
+
+    def restore_newest(self, like, say) -> tuple[int, Any, dict] | None:
+        """(step, state, data_state) of the newest checkpoint that restores whole, or None.
+
+        A damaged checkpoint (a truncated or missing file, garbled metadata) is reported
+        in one line through `say`, naming it and the file where known, and moved aside to
+        `<workdir>/checkpoints-damaged/`, never deleted; the next older one is tried."""
+        for step in self.steps():
+            where = self.directory / str(step)
+            item = "config"
+            try:
+                self.saved_config(step)
+                item = "state"
+                state, data_state = self.restore(step, like)
+                return step, state, data_state
+            except Exception as error:  # what orbax and tensorstore raise varies by damage
+                moved = self._move_aside(step)
+                say(
+                    f"checkpoint {where} is damaged ({_damaged_file(error, where / item)}); "
+                    f"moved to {moved}, resuming from the one before"
+                )
+        return None
+
+    def _move_aside(self, step: int) -> Path:
+        aside = self.directory.parent / "checkpoints-damaged"
+        aside.mkdir(exist_ok=True)
+        target = aside / str(step)
+        suffix = 1
+        while target.exists():
+            target, suffix = aside / f"{step}.{suffix}", suffix + 1
+        (self.directory / str(step)).rename(target)
+        if self._manager is not None:  # forget the step it listed
+            self._manager.close()
+            self._manager = None
+        return target
+
     def check_compatible(self, config: dict[str, Any]) -> None:
         """Refuses to resume a checkpoint written for a different architecture."""
-        step = self.latest_step()
-        if step is None:
+        found = self.newest_readable()
+        if found is None:
             return
-        ours, theirs = _flat(config), _flat(self.saved_config(step))
+        step, saved = found
+        ours, theirs = _flat(config), _flat(saved)
         for key in sorted(set(ours) | set(theirs)):
             if ours.get(key) != theirs.get(key):
                 raise ValueError(

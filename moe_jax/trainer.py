@@ -158,9 +158,10 @@ def run(config: config_lib.Config, workdir: str | Path) -> dict[str, Any]:
         config_dict = dataclasses.asdict(config)
         checkpoints.check_compatible(config_dict)
         _check_own_config_json(workdir)
-        start = checkpoints.latest_step() or 0
+        found = checkpoints.newest_readable()
+        start = found[0] if found else 0
         if start:
-            for line in _resume_changes(config_dict, checkpoints.saved_config(start), start):
+            for line in _resume_changes(config_dict, found[1], start):
                 say(line)
             if tc.steps <= start:
                 say(f"already complete at step {start} (train.steps={tc.steps}); nothing to do")
@@ -190,14 +191,13 @@ def _train(config, workdir: Path, layout, sharding, checkpoints, train_batches, 
     # compile twice.
     graphdef, abstract = abstract_state(config, layout)
     state_sharding = mesh_lib.train_state_shardings(abstract, layout, config.parallel.zero)
-    start = checkpoints.latest_step() or 0
-    if start:
-        target = with_shardings(abstract, state_sharding)
-        state, data_state = checkpoints.restore(start, target)
+    restored = checkpoints.restore_newest(with_shardings(abstract, state_sharding), say)
+    if restored is not None:
+        start, state, data_state = restored
         train_batches.set_state(data_state)
         say(f"resumed from {checkpoints.directory / str(start)}")
     else:
-        state = init_placed(config, layout, state_sharding)
+        start, state = 0, init_placed(config, layout, state_sharding)
     workdir.mkdir(parents=True, exist_ok=True)
     if process == 0:  # one writer for the run's files in a multi-process job
         (workdir / "config.json").write_text(json.dumps(config_dict, indent=2) + "\n")
