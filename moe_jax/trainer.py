@@ -246,10 +246,15 @@ def _train(config, workdir: Path, layout, sharding, checkpoints, train_batches, 
                     if skipped:
                         say(f"steps {logged + 1}-{step}: {skipped} non-finite losses skipped")
                     if bad_in_a_row >= tc.max_bad_steps:
+                        last_good = checkpoints.latest_step()
+                        where = (
+                            f"the last good checkpoint is {checkpoints.directory / str(last_good)}"
+                            if last_good
+                            else "no checkpoint was saved before it"
+                        )
                         raise RunError(
                             f"stopping: {bad_in_a_row} steps in a row had a non-finite loss "
-                            f"(train.max_bad_steps={tc.max_bad_steps}); the last good "
-                            f"checkpoint is in {checkpoints.directory}"
+                            f"(train.max_bad_steps={tc.max_bad_steps}); {where}"
                         )
                     bad, logged = (bad[0], jnp.zeros((), jnp.int32)), step
                     elapsed = time.perf_counter() - clock

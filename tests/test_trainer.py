@@ -297,8 +297,9 @@ def test_non_finite_losses_stop_the_run(tmp_path: Path):
     run = tmp_path / "run"
     cfg = tiny_config(steps=50, learning_rate=1e30, warmup_steps=0, grad_clip=0.0)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_bad_steps=3))
-    with pytest.raises(trainer.RunError, match=r"train\.max_bad_steps=3"):
+    with pytest.raises(trainer.RunError, match=r"train\.max_bad_steps=3") as error:
         trainer.run(cfg, run)
+    assert "no checkpoint was saved before it" in str(error.value)  # none exists to name
     assert not list((run / "checkpoints").glob("*")) or all(
         p.name.isdigit() for p in (run / "checkpoints").iterdir()
     )
@@ -333,3 +334,31 @@ def test_mixtral_on_this_machine_is_refused_in_one_line(tmp_path: Path):
     assert last.startswith("error: the plan needs") and "GB are available" in last, last
     assert "parameters: 46,7" in run.stdout  # Mixtral-8x7B: 46.7B parameters
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("stored", [True, False], ids=["max_id_stored", "measured"])
+def test_token_ids_beyond_the_vocabulary_are_refused(tmp_path: Path, stored: bool):
+    """meta.json understating the vocabulary (ids up to 300, vocab_size 259) is caught when
+    the split is opened, from prepare's stored max_id or by measuring the file, before
+    training could turn the ids into NaN."""
+    data = _prepared(tmp_path)
+    tokens = np.random.default_rng(1).integers(0, 256, 5000).astype(np.uint16)
+    tokens[1234] = 300
+    write_split(data, "train", tokens)
+    meta = json.loads((data / "meta.json").read_text())
+    if stored:
+        meta["splits"]["train"]["max_id"] = 300
+    write_meta(data, meta)
+    cfg = dataclasses.replace(tiny_config(steps=2), data=config_lib.DataConfig("tokens", str(data)))
+    _assert_rejected(cfg, tmp_path / "run", "train.bin", "token id 300", "model.vocab_size=259")
+
+
+def test_prepare_stores_each_splits_largest_id(tmp_path: Path):
+    from moe_jax.data.prepare import prepare
+
+    (tmp_path / "a.txt").write_text("hello world " * 200)
+    prepare(tmp_path / "a.txt", tmp_path / "out", "byte", 0.1, "text")
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    for split in ("train", "val"):
+        tokens = np.fromfile(tmp_path / "out" / f"{split}.bin", np.uint16)
+        assert meta["splits"][split]["max_id"] == int(tokens.max())

@@ -9,6 +9,7 @@ exactly on any number of hosts.
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 from typing import Any
 
 import grain
@@ -18,7 +19,7 @@ import numpy as np
 from moe_jax.config import Config, DataConfig
 from moe_jax.data.corpus import stdlib_documents
 from moe_jax.data.synthetic import recurrence_tokens
-from moe_jax.data.token_files import open_split
+from moe_jax.data.token_files import max_id, open_split, read_meta
 from moe_jax.data.tokenizer import ByteTokenizer
 
 _READ_OPTIONS = grain.ReadOptions(num_threads=2, prefetch_buffer_size=4)
@@ -57,8 +58,29 @@ def token_stream(data_cfg: DataConfig, split: str, vocab_size: int) -> tuple[np.
                 f"model.vocab_size={vocab_size} is smaller than the vocab_size "
                 f"{meta['vocab_size']} of data.path={data_cfg.path}"
             )
+        largest = _largest_id(data_cfg.path, split, tokens)
+        if largest >= vocab_size:  # meta.json understates the vocabulary: ids would be NaN
+            raise ValueError(
+                f"{Path(data_cfg.path) / f'{split}.bin'} holds token id {largest}, outside "
+                f"model.vocab_size={vocab_size} (its meta.json says vocab_size "
+                f"{meta['vocab_size']}); set model.vocab_size > {largest} or re-run prepare"
+            )
         return tokens, str(meta.get("tokenizer", ""))
     raise ValueError(f"data.source={data_cfg.source!r} has no token stream (valid: stdlib, tokens)")
+
+
+_LARGEST: dict[tuple, int] = {}  # (file, size, mtime) -> its largest id
+
+
+def _largest_id(path: str, split: str, tokens: np.ndarray) -> int:
+    """The split's largest id, measured once per file version (evaluation reopens it)."""
+    file = Path(path).absolute() / f"{split}.bin"
+    stat = file.stat()
+    key = (str(file), stat.st_size, stat.st_mtime_ns)
+    if key not in _LARGEST:
+        splits = read_meta(path).get("splits")
+        _LARGEST[key] = max_id(tokens, splits.get(split) if isinstance(splits, dict) else None)
+    return _LARGEST[key]
 
 
 class PackedSequences:

@@ -133,7 +133,10 @@ def prepare(
         "tokenizer": tokenizer.name,
         "bos_id": tokenizer.bos_id,
         "eos_id": tokenizer.eos_id,
-        "splits": {name: {"num_tokens": int(t.size)} for name, t in splits.items()},
+        "splits": {
+            name: {"num_tokens": int(t.size), "max_id": int(t.max()) if t.size else -1}
+            for name, t in splits.items()
+        },
     }
     write_meta(output, meta)
     return (

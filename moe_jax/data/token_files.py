@@ -114,3 +114,17 @@ def open_split(directory: str | os.PathLike, split: str) -> tuple[np.ndarray, di
     if num_tokens == 0:
         return np.zeros(0, dtype), meta  # np.memmap cannot map an empty file
     return np.memmap(path, dtype=dtype, mode="r"), meta
+
+
+SCAN_CHUNK = 1 << 24  # tokens per read when a split's largest id must be measured
+
+
+def max_id(tokens: np.ndarray, entry: dict[str, Any] | None) -> int:
+    """The largest token id of a split: the `max_id` prepare stored in meta.json, or
+    (older corpora) measured in bounded chunks."""
+    if isinstance(entry, dict) and isinstance(entry.get("max_id"), int):
+        return entry["max_id"]
+    found = -1
+    for start in range(0, tokens.size, SCAN_CHUNK):
+        found = max(found, int(tokens[start : start + SCAN_CHUNK].max()))
+    return found
