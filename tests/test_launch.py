@@ -83,3 +83,36 @@ def test_job_template_xla_flags_are_known_to_this_xla():
     bad = dict(env, XLA_FLAGS="--xla_gpu_no_such_flag=true")
     done = subprocess.run([sys.executable, "-c", code], env=bad, capture_output=True, text=True)
     assert done.returncode != 0 and "Unknown flag" in done.stderr
+
+
+def _local():
+    import runpy
+
+    return runpy.run_path(str(ROOT / "launch" / "local.py"))
+
+
+def test_local_launch_keeps_the_users_xla_flags_and_reads_both_workdir_forms(monkeypatch):
+    local = _local()
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x --xla_force_host_platform_device_count=2")
+    assert local["_xla_flags"](4) == "--xla_dump_to=/tmp/x --xla_force_host_platform_device_count=4"
+    assert local["_workdir"](["--workdir", "runs/a", "--config.train.steps=1"]) == "runs/a"
+    assert local["_workdir"](["--workdir=runs/b"]) == "runs/b"
+
+
+@pytest.mark.parametrize(
+    "flag,words",
+    [
+        ("--config.train.stepz=1", "unknown setting train.stepz"),
+        ("--config.train.steps=abc", "--config.train.steps=abc"),
+    ],
+)
+def test_local_launch_with_a_bad_training_flag_is_one_line_and_writes_nothing(
+    tmp_path, flag, words
+):
+    workdir = tmp_path / "run"
+    launch = [sys.executable, "launch/local.py", "-n", "2", "--devices", "1", "--"]
+    done = run([*launch, "--workdir", str(workdir), flag], devices=1)
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr
+    assert words in done.stderr.strip().splitlines()[-1]
+    assert not workdir.exists()  # no process log left behind
