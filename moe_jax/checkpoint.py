@@ -9,6 +9,7 @@ complete, so a crash mid-save leaves the previous checkpoint as the latest.
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,21 @@ def _flat(config: dict[str, Any]) -> dict[str, Any]:
         for key, value in config.get(section, {}).items()
         if f"{section}.{key}" not in ARCHITECTURE_EXEMPT
     }
+
+
+SPACE_MARGIN = 64 * 2**20  # bytes: metadata, the data iterator's state, the config
+
+
+def _bytes_written(state) -> int:
+    """Bytes this process writes for `state`: each of its shards once (replica 0)."""
+    total = 0
+    for leaf in jax.tree.leaves(state):
+        shards = getattr(leaf, "addressable_shards", None)
+        if shards is None:
+            total += getattr(leaf, "nbytes", 0)
+            continue
+        total += sum(shard.data.nbytes for shard in shards if shard.replica_id == 0)
+    return total
 
 
 def _damaged_file(error: Exception, directory: Path) -> str:
@@ -145,10 +161,19 @@ class Checkpointer:
         return restored["config"] or {}
 
     def save(self, step: int, state, data_state: dict, config: dict) -> bool:
-        """Starts an asynchronous save; returns whether one was started."""
+        """Starts an asynchronous save; returns whether one was started. A one-line
+        ValueError, before anything is written, when the disk cannot hold it."""
         self.directory.mkdir(parents=True, exist_ok=True)
         if step in self.manager.all_steps():
             return False
+        need = _bytes_written(state) + SPACE_MARGIN
+        free = shutil.disk_usage(self.directory).free
+        if free < need:
+            raise ValueError(
+                f"not enough space to checkpoint step {step} in {self.directory}: "
+                f"{need / 1e9:.2f} GB needed, {free / 1e9:.2f} GB free; the previous "
+                "checkpoint is intact; free space and run again to resume from it"
+            )
         return self.manager.save(
             step,
             args=ocp.args.Composite(

@@ -224,7 +224,13 @@ def _train(config, workdir: Path, layout, sharding, checkpoints, train_batches, 
     # device and read every train.log_every steps, so the loop never waits for a step.
     bad = (jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
     logged = start  # the last step whose metrics were read
-    save = lambda step: checkpoints.save(step, state, train_batches.get_state(), config_dict)
+
+    def save(step: int) -> None:
+        try:
+            checkpoints.save(step, state, train_batches.get_state(), config_dict)
+        except ValueError as error:  # the disk cannot hold it: nothing was written
+            raise RunError(str(error)) from None
+
     try:
         with StopRequest() as stop:
             clock, clock_step = time.perf_counter(), start
@@ -263,7 +269,9 @@ def _train(config, workdir: Path, layout, sharding, checkpoints, train_batches, 
                     throughput["mfu"] = (
                         flops_per_step / tokens_per_step * rate / peak if peak else None
                     )
+                    # The plan goes in the run's first row only (and config.json).
                     last = _step_row(step, metrics, throughput, plan)
+                    plan = {}
                     logger.write(last)
                     if config.moe.dropless and last.get("dropped_fraction", 0) > 0:
                         say(

@@ -153,9 +153,10 @@ def test_trainer_runs_each_layout(tmp_path, attention: str, experts: str, data: 
     rows = [r for r in read_rows(tmp_path / "metrics.jsonl") if "loss" in r]
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(np.isfinite(r["loss"]) for r in rows)
-    assert rows[-1]["plan_attention"] == attention
-    assert rows[-1]["plan_experts"] == experts
-    assert (rows[-1]["plan_data"], rows[-1]["plan_intra"]) == (8 // intra, intra)
+    assert rows[0]["plan_attention"] == attention  # the first row carries the plan
+    assert rows[0]["plan_experts"] == experts
+    assert (rows[0]["plan_data"], rows[0]["plan_intra"]) == (8 // intra, intra)
+    assert not [k for k in rows[-1] if k.startswith("plan_")]  # not repeated on every line
 
 
 @pytest.mark.parametrize(
@@ -206,7 +207,7 @@ def test_trainer_takes_the_planners_layout(tmp_path, capsys):
     )
     chosen = choose_plan(config, 8, "h800")
     trainer.run(config, tmp_path)
-    row = [r for r in read_rows(tmp_path / "metrics.jsonl") if "loss" in r][-1]
+    row = [r for r in read_rows(tmp_path / "metrics.jsonl") if "loss" in r][0]
     assert {k: row[f"plan_{k}"] for k in chosen} == chosen
     assert row["plan_data"] * row["plan_intra"] == 8
     assert f"planner chose attention={chosen['attention']}" in capsys.readouterr().out

@@ -98,3 +98,23 @@ def test_resume_settings_come_from_the_checkpoint_not_its_files(tmp_path):
     saved = Checkpointer(run / "checkpoints", 3).saved_config(2)
     want = dataclasses.asdict(tiny_config(steps=2, eval_every=0, checkpoint_every=2))
     assert saved["model"] == want["model"] and saved["train"]["steps"] == 2
+
+
+def test_a_full_disk_stops_the_run_in_one_line_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
+    import collections
+
+    from moe_jax import checkpoint
+
+    run = _ran(tmp_path, steps=2)
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: usage(10**9, 10**9, 1000))
+    with pytest.raises(trainer.RunError) as error:
+        trainer.run(tiny_config(steps=4, eval_every=0, checkpoint_every=2), run)
+    message = str(error.value)
+    assert "\n" not in message
+    assert message.startswith(f"not enough space to checkpoint step 4 in {run / 'checkpoints'}")
+    assert "GB needed, 0.00 GB free" in message
+    monkeypatch.undo()
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["2"]
+    trainer.run(tiny_config(steps=4, eval_every=0, checkpoint_every=2), run)  # resumes from 2
+    assert [r["step"] for r in read_rows(run / "metrics.jsonl") if "loss" in r] == [1, 2, 3, 4]
