@@ -240,7 +240,14 @@ def _train(config, workdir: Path, layout, sharding, checkpoints, train_batches, 
                 # Steps are dispatched asynchronously: this batch goes to the devices
                 # while the previous step still runs there.
                 batch = pipeline.global_array(next(train_batches), sharding, tc.batch_size)
+                if step == start + 1:
+                    say("compiling the train step...")
                 state, metrics = step_fn(state, batch)
+                if step == start + 1:  # compiled and run once: kept out of the throughput
+                    jax.block_until_ready(metrics)
+                    say(f"first step (compiling included) took {time.perf_counter() - clock:.1f} s")
+                    clock = time.perf_counter()
+                    clock_step = step
                 if profile and step == profile[1] - 1:
                     jax.block_until_ready(state)
                     jax.profiler.stop_trace()
@@ -263,11 +270,20 @@ def _train(config, workdir: Path, layout, sharding, checkpoints, train_batches, 
                             f"(train.max_bad_steps={tc.max_bad_steps}); {where}"
                         )
                     bad, logged = (bad[0], jnp.zeros((), jnp.int32)), step
-                    elapsed = time.perf_counter() - clock
-                    rate = tokens_per_step * (step - clock_step) / elapsed
-                    throughput = {"tokens_per_sec": rate, "skipped_steps_in_a_row": bad_in_a_row}
+                    now = time.perf_counter()
+                    steps_timed = step - clock_step
+                    # None until a step ran without compiling (log_every=1, step 1).
+                    step_s = (now - clock) / steps_timed if steps_timed else None
+                    rate = tokens_per_step / step_s if step_s else None
+                    throughput = {
+                        "time": round(time.time(), 3),
+                        "step_time_s": step_s,
+                        "tokens_per_sec": rate,
+                        "eta_s": round(step_s * (tc.steps - step), 1) if step_s else None,
+                        "skipped_steps_in_a_row": bad_in_a_row,
+                    }
                     throughput["mfu"] = (
-                        flops_per_step / tokens_per_step * rate / peak if peak else None
+                        flops_per_step / tokens_per_step * rate / peak if peak and rate else None
                     )
                     # The plan goes in the run's first row only (and config.json).
                     last = _step_row(step, metrics, throughput, plan)

@@ -207,7 +207,7 @@ def test_trainer_takes_the_planners_layout(tmp_path, capsys):
     )
     chosen = choose_plan(config, 8, "h800")
     trainer.run(config, tmp_path)
-    row = [r for r in read_rows(tmp_path / "metrics.jsonl") if "loss" in r][0]
+    row = next(r for r in read_rows(tmp_path / "metrics.jsonl") if "loss" in r)
     assert {k: row[f"plan_{k}"] for k in chosen} == chosen
     assert row["plan_data"] * row["plan_intra"] == 8
     assert f"planner chose attention={chosen['attention']}" in capsys.readouterr().out

@@ -117,8 +117,15 @@ def test_default_run_learns_real_text(tmp_path: Path):
     assert val_losses[-1] < 0.75 * entropy, (val_losses, entropy)
     required = {"step", "loss", "lm_loss", "aux_loss", "z_loss", "grad_norm", "lr"}
     required |= {"tokens_per_sec", "mfu", "expert_load_max_over_mean", "dropped_fraction"}
+    required |= {"time", "step_time_s", "eta_s"}
     train_rows = [r for r in rows if "loss" in r]
     assert required <= set(train_rows[-1])
+    assert train_rows[-1]["eta_s"] == 0 and train_rows[0]["time"] < train_rows[-1]["time"]
+    # the first step compiles; its time is printed apart and kept out of the throughput
+    first = float(
+        re.search(r"first step \(compiling included\) took ([0-9.]+) s", result.stdout)[1]
+    )
+    assert max(r["step_time_s"] for r in train_rows) < first
     assert len(train_rows[-1]["expert_load_max_over_mean_per_layer"]) == 2
     assert json.loads((run / "config.json").read_text())["train"]["steps"] == 200
     assert list((run / "tb").glob("events.out.tfevents.*"))
