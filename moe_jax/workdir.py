@@ -14,6 +14,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shutil
 import socket
 import time
 from pathlib import Path
@@ -21,20 +22,27 @@ from pathlib import Path
 LOCK_NAME = ".lock"
 
 
-def check(workdir: Path) -> None:
-    """A one-line ValueError when `workdir` cannot be used as a run directory."""
+def check(workdir: Path, flag: str = "--workdir", need_bytes: int = 0) -> None:
+    """A one-line ValueError when `workdir` cannot be made and written as a directory
+    (named as `flag` in the message), or has not `need_bytes` free; writes nothing."""
     path = Path(workdir).absolute()
     if path.exists() and not path.is_dir():
-        raise ValueError(f"--workdir={workdir} is a file, not a directory")
+        raise ValueError(f"{flag}={workdir} is a file, not a directory")
     existing = path
     while not existing.exists():
         existing = existing.parent
     if not existing.is_dir():
-        raise ValueError(f"--workdir={workdir} lies under {existing}, which is a file")
+        raise ValueError(f"{flag}={workdir} lies under {existing}, which is a file")
     if os.statvfs(existing).f_flag & os.ST_RDONLY:
-        raise ValueError(f"--workdir={workdir}: {existing} is on a read-only file system")
+        raise ValueError(f"{flag}={workdir}: {existing} is on a read-only file system")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"--workdir={workdir}: {existing} is not writable by this user")
+        raise ValueError(f"{flag}={workdir}: {existing} is not writable by this user")
+    free = shutil.disk_usage(existing).free
+    if free < need_bytes:
+        raise ValueError(
+            f"{flag}={workdir}: {need_bytes / 1e6:,.1f} MB needed, {free / 1e6:,.1f} MB free "
+            f"on {existing}"
+        )
 
 
 def _holder(path: Path) -> dict:

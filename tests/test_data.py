@@ -385,3 +385,25 @@ def test_token_files_round_trip_large_vocab(tmp_path):
     with pytest.raises(ValueError) as excinfo:
         token_files.open_split(tmp_path, "val")
     one_line_error(excinfo, "val.bin", "missing")
+
+
+@pytest.mark.parametrize("kind", ["under_a_file", "no_space"])
+def test_prepare_refuses_an_output_it_cannot_write_in_one_line(tmp_path, monkeypatch, capsys, kind):
+    import collections
+
+    from moe_jax import workdir
+    from moe_jax.data import prepare
+
+    (tmp_path / "a.txt").write_text("hello world " * 100)
+    output = tmp_path / "out"
+    if kind == "under_a_file":
+        (tmp_path / "blocker").write_text("")
+        output = tmp_path / "blocker" / "out"
+    else:
+        usage = collections.namedtuple("usage", "total used free")
+        monkeypatch.setattr(workdir.shutil, "disk_usage", lambda path: usage(1, 1, 10))
+    code = prepare.main(["--input", str(tmp_path / "a.txt"), "--output", str(output)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith(f"error: --output={output}")
+    assert ("lies under" if kind == "under_a_file" else "MB needed") in err[0]
+    assert not (tmp_path / "out").exists()

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from moe_jax import workdir
 from moe_jax.data.corpus import is_val
 from moe_jax.data.token_files import FORMAT, META, dtype_for, write_meta, write_split
 from moe_jax.data.tokenizer import Tokenizer, load_tokenizer
@@ -121,8 +122,10 @@ def prepare(
     if not 0 < val_fraction < 1:
         raise ValueError(f"--val_fraction={val_fraction} is invalid: must be in (0, 1)")
     _check_output(output)
+    workdir.check(output, "--output")  # before tokenizing: a bad path costs nothing
     tokenizer = load_tokenizer(tokenizer_spec)
     splits, num_docs, note = tokenize(documents(input_path, text_key), tokenizer, val_fraction)
+    workdir.check(output, "--output", sum(t.nbytes for t in splits.values()) + 2**20)
     output.mkdir(parents=True, exist_ok=True)
     for name, tokens in splits.items():
         write_split(output, name, tokens)
@@ -160,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
         summary = prepare(args.input, args.output, args.tokenizer, args.val_fraction, args.text_key)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:  # the disk filled or the path vanished while writing
+        print(f"error: cannot write {err.filename or args.output}: {err.strerror}", file=sys.stderr)
         return 2
     print(summary)
     return 0
