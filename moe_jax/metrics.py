@@ -12,6 +12,28 @@ from typing import Any
 import tqdm
 from tensorboardX import SummaryWriter
 
+# What the terminal line shows, in order (metrics.jsonl keeps everything): no plan, no
+# wall clock, no per-layer lists.
+TERMINAL = (
+    ("loss", "loss"),
+    ("lm_loss", "lm"),
+    ("aux_loss", "aux"),
+    ("z_loss", "z"),
+    ("grad_norm", "grad_norm"),
+    ("lr", "lr"),
+    ("step_time_s", "step_s"),
+    ("tokens_per_sec", "tok/s"),
+    ("mfu", "mfu"),
+    ("expert_load_max_over_mean", "load_max/mean"),
+    ("dropped_fraction", "dropped"),
+    ("eta_s", "eta_s"),
+    ("val_loss", "val_loss"),
+)
+
+
+def _short(value: float) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
     """The logged rows; a torn last line (a crash mid-write) is left out."""
@@ -72,10 +94,10 @@ class MetricsLogger:
         for key, value in row.items():
             if isinstance(value, int | float) and key != "step" and math.isfinite(value):
                 self._tb.add_scalar(key, value, row["step"])
+        shown = [(label, row.get(key)) for key, label in TERMINAL]
         summary = " ".join(
-            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-            for k, v in row.items()
-            if isinstance(v, int | float)
+            [f"step={row['step']}"]
+            + [f"{label}={_short(v)}" for label, v in shown if isinstance(v, int | float)]
         )
         if self._bar is not None:
             self._bar.write(summary)
