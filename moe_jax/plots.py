@@ -32,27 +32,39 @@ def plot_loss(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def _edges(steps: list[int]) -> np.ndarray:
+    """Cell edges around each logged step, halfway to its neighbours (any spacing)."""
+    s = np.asarray(steps, np.float64)
+    if s.size == 1:
+        return np.array([s[0] - 0.5, s[0] + 0.5])
+    mid = (s[1:] + s[:-1]) / 2
+    return np.concatenate([[s[0] - (mid[0] - s[0])], mid, [s[-1] + (s[-1] - mid[-1])]])
+
+
 def plot_expert_load(rows: list[dict], path: Path) -> None:
-    """One heatmap per MoE layer: share of assignments per expert (rows) over steps."""
+    """One heatmap per MoE layer: share of assignments per expert (rows) over steps, on
+    one colour scale for every layer, white at the uniform share 1 / experts."""
     logged = [r for r in rows if "expert_load" in r]
     if not logged:
         return
     steps = [r["step"] for r in logged]
     load = np.asarray([r["expert_load"] for r in logged])  # [time, layers, experts]
-    layers = load.shape[1]
+    layers, experts = load.shape[1], load.shape[2]
+    uniform = 1.0 / experts
+    norm = matplotlib.colors.TwoSlopeNorm(
+        vcenter=uniform, vmin=0.0, vmax=max(2 * uniform, float(load.max()))
+    )
     fig, axes = plt.subplots(layers, 1, figsize=(8, 1.0 + 1.6 * layers), squeeze=False)
+    x, y = _edges(steps), np.arange(experts + 1) - 0.5
     for layer, ax in enumerate(axes[:, 0]):
-        image = ax.imshow(
-            load[:, layer, :].T,
-            aspect="auto",
-            cmap="viridis",
-            extent=(steps[0] - 0.5, steps[-1] + 0.5, load.shape[2] - 0.5, -0.5),
-        )
+        image = ax.pcolormesh(x, y, load[:, layer, :].T, cmap="RdBu_r", norm=norm)
+        ax.invert_yaxis()
         ax.set_ylabel(f"MoE layer {layer}\nexpert")
-        fig.colorbar(image, ax=ax, label="share of tokens")
     axes[-1, 0].set_xlabel("step")
-    fig.suptitle("Expert load (uniform = 1 / experts)")
-    fig.tight_layout()
+    fig.colorbar(
+        image, ax=axes[:, 0].tolist(), label=f"share of tokens (white: uniform {uniform:.3g})"
+    )
+    fig.suptitle("Expert load")
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
