@@ -18,6 +18,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from moe_jax import config as config_lib
+from moe_jax import config_help
 
 # The repository's configs, found from the package so that a command works from any
 # directory (`pip install -e .` keeps the package inside the repository).
@@ -29,8 +30,12 @@ def define_config_flag(argv: list[str] | None = None):
     """`--config=FILE` (default: the repository's configs/default.py, from any directory).
 
     ml_collections reads the file and applies the `--config.*` overrides in `argv`
-    (default: sys.argv) as soon as the flag is defined, so they are checked first."""
+    (default: sys.argv) as soon as the flag is defined, so they are checked first.
+    `--config_help` prints every setting with its default and meaning, and exits."""
     argv = sys.argv if argv is None else argv
+    if "--config_help" in argv:  # every setting, its default and meaning; then stop
+        print(config_help.text())
+        raise SystemExit(0)
     problem = check_config_args(argv)
     if problem:
         raise SystemExit(f"error: {problem}")

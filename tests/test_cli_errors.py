@@ -57,3 +57,13 @@ def test_comm_report_compare_on_one_device_says_what_it_needs(tmp_path):
     assert run.returncode == 1 and "Traceback" not in run.stderr
     last = run.stderr.strip().splitlines()[-1]
     assert "parallel.intra=1" in last and "xla_force_host_platform_device_count" in last
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_config_help_lists_every_setting(tmp_path, command: str):
+    from moe_jax.config_help import settings
+
+    run = _run(tmp_path, *COMMANDS[command], "--config_help")
+    assert run.returncode == 0, run.stderr[-2000:]
+    listed = [line.split()[0] for line in run.stdout.strip().splitlines()]
+    assert listed == [name for name, _, _ in settings()]

@@ -88,3 +88,13 @@ def test_sections_match_config():
     assert [f.name for f in dataclasses.fields(Config)] == list(SECTIONS)
     for field in dataclasses.fields(Config):
         assert isinstance(field.default, SECTIONS[field.name])
+
+
+def test_reference_table_is_the_generated_one():
+    """The README's table is `python -m moe_jax.config_help --markdown`, the one source
+    of `--config_help` too."""
+    from moe_jax.config_help import markdown
+
+    assert markdown() in README.read_text(), (
+        "regenerate the README's configuration table: python -m moe_jax.config_help --markdown"
+    )

@@ -1,0 +1,166 @@
+"""What every setting means: the one source of `--config_help` and of the README's
+configuration reference (`python -m moe_jax.config_help` prints that table;
+tests/test_readme.py checks the README holds it unchanged)."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+from moe_jax import config as config_lib
+
+MEANINGS: dict[str, str] = {
+    "model.vocab_size": "token ids; the byte tokenizer needs 259 (256 bytes, BOS, EOS, PAD)",
+    "model.num_layers": "transformer blocks, dense and MoE together",
+    "model.embed_dim": "width of the residual stream",
+    "model.num_heads": "attention query heads",
+    "model.num_kv_heads": "key/value heads, each shared by `num_heads / num_kv_heads` query heads",
+    "model.head_dim": "width of each attention head (even: rotary pairs)",
+    "model.mlp_dim": "width of the dense SwiGLU layers",
+    "model.first_k_dense": "leading layers that are dense",
+    "model.moe_every": "after the dense prefix, every `moe_every`-th layer is MoE",
+    "model.tie_embeddings": "the output head reuses the embedding table",
+    "model.rope_theta": "base of the rotary position embedding",
+    "model.norm_eps": "epsilon of every RMSNorm",
+    "model.dtype": "compute dtype, `float32` or `bfloat16`; parameters are always float32",
+    "model.remat": (
+        "recompute activations in the backward pass: `none`; `full` (each layer keeps only its "
+        "input); `selective` (the paper's SAR: keeps only GEMM and exchange outputs, rebuilds "
+        "norms, SiLU, routing and weight casts); `offload` (GPU: `selective` with the kept tensors "
+        "in pinned host memory)"
+    ),
+    "model.attention_impl": (
+        "attention core: `xla` (stores the [s, s] scores), `cudnn` (GPU flash attention, "
+        "bfloat16), `blockwise` (flash-style blocks in plain JAX, any backend) or `auto` (cudnn on "
+        "GPU in bfloat16, else blockwise)"
+    ),
+    "moe.num_experts": "routed experts per MoE layer",
+    "moe.top_k": "experts each token is sent to",
+    "moe.expert_mlp_dim": "hidden width of each routed expert",
+    "moe.num_shared_experts": "always-on shared experts",
+    "moe.shared_mlp_dim": "width of each shared expert",
+    "moe.score_fn": "router scores: `softmax` or `sigmoid`",
+    "moe.renormalize": "rescale the selected weights to sum to one",
+    "moe.routed_scaling": "factor on the routed experts' combine weights",
+    "moe.n_groups": "expert groups for group-limited routing (DeepSeek-V3); 1 disables it",
+    "moe.topk_groups": "groups a token may choose its experts from",
+    "moe.capacity_factor": (
+        "slots per expert as a multiple of `tokens * top_k / num_experts`; 0 = dropless"
+    ),
+    "moe.impl": "expert compute: `auto`, `tiled`, `ragged_dot`, `capacity` or `dense` (see above)",
+    "moe.tile_size": "rows per tile of the `tiled` grouped matmul; 0 = auto",
+    "moe.aux_loss_coef": "weight of the batch load-balancing loss (Switch)",
+    "moe.seq_aux_loss_coef": "weight of the per-sequence load-balancing loss (DeepSeek-V3)",
+    "moe.z_loss_coef": "weight of the router z-loss (ST-MoE)",
+    "moe.bias_update_rate": "step of the aux-loss-free router-bias update; 0 disables it",
+    "train.steps": "optimizer steps",
+    "train.batch_size": "global batch, in sequences",
+    "train.seq_len": "tokens per sequence",
+    "train.grad_accum": "micro-batches per step (must divide `batch_size`)",
+    "train.learning_rate": "peak learning rate",
+    "train.schedule": "decay after warmup: `cosine` or `linear`",
+    "train.min_lr_ratio": "final learning rate / peak",
+    "train.warmup_steps": "steps of linear warmup from 0 to the peak",
+    "train.weight_decay": "AdamW weight decay (matrices; norms and embeddings as set below)",
+    "train.decay_norms": "apply weight decay to norm scales",
+    "train.decay_embeddings": "apply weight decay to the embedding table",
+    "train.b1": "AdamW first-moment decay",
+    "train.b2": "AdamW second-moment decay",
+    "train.eps": "AdamW epsilon",
+    "train.grad_clip": "global-norm gradient clipping; 0 disables it",
+    "train.seed": "seed of the initialisation, data order and synthetic data",
+    "train.log_every": "steps between logged metrics",
+    "train.eval_every": "steps between validations; 0 evaluates only at the end",
+    "train.eval_batches": "validation batches per evaluation",
+    "train.checkpoint_every": "steps between checkpoints; 0 saves only at the end",
+    "train.keep_checkpoints": "newest checkpoints kept",
+    "train.max_bad_steps": "consecutive non-finite losses before the run stops",
+    "train.memory_limit_gb": (
+        "memory per device the plan must fit in, checked before anything is compiled; 0: the "
+        "device's own limit (GPU: what JAX reports; CPU: 90% of the machine's RAM shared by its "
+        "devices)"
+    ),
+    "train.loss_chunks": (
+        "chunks of the sequence the loss and its gradient run over, so float32 [batch, seq, vocab] "
+        "logits never exist; 0 picks the fewest power-of-two chunks keeping one chunk's logits "
+        "under 256 MiB (1 for small models)"
+    ),
+    "data.source": "`stdlib` (embedded corpus), `tokens` (prepared files) or `synthetic`",
+    "data.path": "directory written by `python -m moe_jax.data.prepare` (`source=tokens`)",
+    "data.val_fraction": "share of stdlib files held out for validation",
+    "parallel.layout": (
+        "`manual`: the settings below; `auto`: the planner (`python -m moe_jax.plan`) chooses "
+        "attention, experts, intra, data, zero and etp for the devices at hand"
+    ),
+    "parallel.gpu": (
+        "with `layout='auto'`: the hardware preset the planner assumes (`h800`, `h100`, `h200`, "
+        "`a100`, `h20`); empty: this device's kind, H800 if unknown (CPU)"
+    ),
+    "parallel.attention": (
+        "layout of attention and dense MLPs: `dp` (batch split, weights replicated), `fsdp` (batch "
+        "split, weights split over `data` and gathered per block), `tp` (Megatron: heads and MLP "
+        "columns split, sequence-parallel norms) or `sp` (Ulysses sequence parallel)"
+    ),
+    "parallel.experts": (
+        "expert layout: `ep_ag` (all-gather tokens, local experts, reduce-scatter), `ep_a2a` "
+        "(all-to-all to the experts' owners and back), `ep_a2a_ragged` (the same with "
+        "`ragged_all_to_all`, GPU only), `etp` (every expert's width split n ways), `ep_etp` "
+        "(experts over n/etp devices, width over etp), or `auto` (the paper's rule, below)"
+    ),
+    "parallel.a2a_buffer_factor": (
+        "`ep_a2a`, `ep_a2a_ragged`: rows of each per-destination buffer as a multiple of the "
+        "balanced share t·k/n (rounded up to 8, at most t·k); overflow is dropped and counted in "
+        "`dropped_fraction`; 0: room for every assignment (exactly dropless)"
+    ),
+    "parallel.ag_threshold": "`auto` picks `ep_ag` when `moe.top_k / parallel.intra` exceeds this",
+    "parallel.intra": "n: devices of one intra-node group (experts and sequence split over it)",
+    "parallel.data": "data-parallel groups; `0` uses every device not taken by `intra`",
+    "parallel.zero": (
+        "ZeRO stage over the data axis: `0` optimizer state replicated, `1` optimizer moments "
+        "split over `data`"
+    ),
+    "parallel.expert_fsdp": (
+        "expert weights (and their gradients and moments) also split over `data`, gathered in "
+        "float32 per layer and reduce-scattered in the backward (ZeRO-3 for the experts)"
+    ),
+    "parallel.vocab_parallel": (
+        "embedding table and output head split over the vocabulary on the intra group; the lookup "
+        "and the chunked cross-entropy run on the vocabulary shards (Megatron's vocab-parallel "
+        "loss)"
+    ),
+    "parallel.etp": (
+        "`ep_etp` only: devices that split each expert's width (the other intra / etp own whole "
+        "expert groups)"
+    ),
+    "profile.steps": "`'start,stop'`: trace steps [start, stop) with `jax.profiler`; empty: off",
+}
+
+
+def settings() -> list[tuple[str, object, str]]:
+    """(setting, default, meaning) of every setting, in the config's order."""
+    rows = []
+    for section, cls in config_lib.SECTIONS.items():
+        for field in dataclasses.fields(cls):
+            name = f"{section}.{field.name}"
+            rows.append((name, getattr(cls(), field.name), MEANINGS.get(name, "")))
+    return rows
+
+
+def markdown() -> str:
+    """The README's configuration table."""
+    lines = ["| setting | default | meaning |", "|---|---|---|"]
+    lines += [f"| `{name}` | `{default!r}` | {meaning} |" for name, default, meaning in settings()]
+    return "\n".join(lines)
+
+
+def text() -> str:
+    """The same, for a terminal (`--config_help`)."""
+    width = max(len(name) for name, _, _ in settings())
+    return "\n".join(
+        f"{name:<{width}}  {default!r:<12} {meaning.replace('`', '')}"
+        for name, default, meaning in settings()
+    )
+
+
+if __name__ == "__main__":
+    print(markdown() if "--markdown" in sys.argv else text())
