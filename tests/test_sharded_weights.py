@@ -109,23 +109,31 @@ def test_vocab_parallel_splits_table_and_head_and_never_makes_whole_vocab_logits
 
 
 @pytest.mark.parametrize(
-    "parallel,model,setting",
+    "parallel,model,moe,setting",
     [
-        ({"vocab_parallel": True}, {}, "model.vocab_size=259"),
+        ({"vocab_parallel": True}, {}, {}, "model.vocab_size=259"),
         (
             {"vocab_parallel": True, "attention": "dp", "intra": 1, "data": 8},
             {"vocab_size": 256},
+            {},
             "parallel.vocab_parallel",
         ),
-        ({"expert_fsdp": True, "experts": "etp", "data": 2}, {}, "parallel.expert_fsdp"),
+        # 12 columns split over 4 expert-tensor x 2 data devices do not divide
+        (
+            {"expert_fsdp": True, "experts": "etp"},
+            {},
+            {"expert_mlp_dim": 12},
+            "parallel.expert_fsdp",
+        ),
     ],
 )
-def test_settings_that_cannot_split_are_rejected_in_one_line(parallel, model, setting):
+def test_settings_that_cannot_split_are_rejected_in_one_line(parallel, model, moe, setting):
     base = with_plan("sp", 2, 4, "ep_a2a")
-    base = dataclasses.replace(base, model=dataclasses.replace(base.model, **model))
-    config = _with(base, **parallel)
-    if parallel.get("experts") == "etp":  # 16 columns over 4 x 2 fit; 12 over 4 x 2 do not
-        config = dataclasses.replace(config, moe=dataclasses.replace(config.moe, expert_mlp_dim=12))
+    base = dataclasses.replace(
+        base,
+        model=dataclasses.replace(base.model, **model),
+        moe=dataclasses.replace(base.moe, **moe),
+    )
     with pytest.raises(ValueError, match=re.escape(setting)) as error:
-        check_plan(config, 8)
+        check_plan(_with(base, **parallel), 8)
     assert "\n" not in str(error.value)

@@ -65,6 +65,18 @@ def _train_cmd(workdir: Path, *args: str) -> list[str]:
     return [sys.executable, "-m", "moe_jax.train", f"--workdir={workdir}", *args]
 
 
+def _train_cli(workdir: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python -m moe_jax.train` as a user types it, run to the end, output as text."""
+    return subprocess.run(
+        _train_cmd(workdir, *args),
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 def _start(cmd: list[str]) -> subprocess.Popen:
     """A training process in the background, its output captured as text."""
     return subprocess.Popen(
@@ -327,14 +339,7 @@ def test_plan_that_does_not_fit_is_refused_before_compiling(tmp_path: Path):
 
 
 def test_mixtral_on_this_machine_is_refused_in_one_line(tmp_path: Path):
-    run = subprocess.run(
-        _train_cmd(tmp_path / "run", "--config=configs/mixtral_8x7b.py"),
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    run = _train_cli(tmp_path / "run", "--config=configs/mixtral_8x7b.py")
     assert run.returncode == 1, run.stderr[-3000:]
     assert "Traceback" not in run.stderr
     last = run.stderr.strip().splitlines()[-1]

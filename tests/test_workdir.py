@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from moe_jax import workdir
-from tests.test_trainer import ROOT, TINY, _env, _start, _train_cmd, _wait_for
+from tests.test_trainer import TINY, _start, _train_cli, _train_cmd, _wait_for
 
 
 @pytest.mark.parametrize("kind", ["file", "under_a_file", "read_only_parent"])
@@ -24,14 +23,7 @@ def test_a_path_that_cannot_be_a_workdir_is_one_line(tmp_path: Path, kind: str):
         (tmp_path / "ro").mkdir(mode=0o500)
     else:
         blocker.write_text("a user's file\n")
-    run = subprocess.run(
-        _train_cmd(target, *TINY, "--config.train.steps=1"),
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    run = _train_cli(target, *TINY, "--config.train.steps=1", timeout=120)
     assert run.returncode == 1
     assert "Traceback" not in run.stderr
     last = run.stderr.strip().splitlines()[-1]
@@ -56,14 +48,7 @@ def test_second_run_refuses_and_a_dead_runs_lock_is_taken_over(tmp_path: Path):
     first = _start(_train_cmd(run, *args, "--config.train.steps=100000"))
     _wait_for(lambda: (run / "checkpoints" / "2").is_dir(), 240, first)
 
-    second = subprocess.run(
-        _train_cmd(run, *args, "--config.train.steps=4"),
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    second = _train_cli(run, *args, "--config.train.steps=4", timeout=120)
     assert second.returncode == 1
     assert "Traceback" not in second.stderr
     last = second.stderr.strip().splitlines()[-1]
@@ -72,14 +57,7 @@ def test_second_run_refuses_and_a_dead_runs_lock_is_taken_over(tmp_path: Path):
     first.send_signal(signal.SIGKILL)
     first.wait()
     step = max(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
-    third = subprocess.run(
-        _train_cmd(run, *args, f"--config.train.steps={step + 2}"),
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    third = _train_cli(run, *args, f"--config.train.steps={step + 2}", timeout=240)
     assert third.returncode == 0, third.stderr[-3000:]
     assert f"took over {run} from process {first.pid}" in third.stdout
     assert f"resumed from {run / 'checkpoints' / str(step)}" in third.stdout

@@ -68,10 +68,8 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise SystemExit(f"error: unexpected arguments {argv[1:]}")
     f = flags.FLAGS
-    try:
+    try:  # a missing or unreadable --config was reported by moe_jax.cli.parse
         config = config_lib.load(f.config)
-    except OSError:  # ml_collections reports a bad file only when the config is read
-        raise SystemExit(f"error: cannot load --config={f['config'].config_filename}") from None
     except ValueError as error:
         raise SystemExit(f"error: {error}") from None
     gpu = get(f.gpu)
