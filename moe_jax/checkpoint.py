@@ -8,6 +8,8 @@ complete, so a crash mid-save leaves the previous checkpoint as the latest.
 
 from __future__ import annotations
 
+import contextlib
+import math
 import re
 import shutil
 from pathlib import Path
@@ -40,16 +42,37 @@ def _flat(config: dict[str, Any]) -> dict[str, Any]:
 SPACE_MARGIN = 64 * 2**20  # bytes: metadata, the data iterator's state, the config
 
 
-def _bytes_written(state) -> int:
-    """Bytes this process writes for `state`: each of its shards once (replica 0)."""
+def bytes_written(state) -> int:
+    """Bytes this process writes for `state` (arrays, or `jax.ShapeDtypeStruct`s with
+    shardings, so it is known before the state exists): each distinct shard once, by
+    the first device that holds it."""
     total = 0
+    mine = set(jax.local_devices())
     for leaf in jax.tree.leaves(state):
-        shards = getattr(leaf, "addressable_shards", None)
-        if shards is None:
+        sharding = getattr(leaf, "sharding", None)
+        if sharding is None:
             total += getattr(leaf, "nbytes", 0)
             continue
-        total += sum(shard.data.nbytes for shard in shards if shard.replica_id == 0)
+        first: dict[str, jax.Device] = {}
+        for device, index in sharding.devices_indices_map(leaf.shape).items():
+            first.setdefault(repr(index), device)
+        shard_bytes = math.prod(sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+        total += shard_bytes * sum(device in mine for device in first.values())
     return total
+
+
+def _write_failure(step: int, directory: Path, error: Exception) -> str:
+    """One line for an asynchronous write that failed (a full disk, a vanished path)."""
+    text = str(error)
+    if "No space left on device" in text or "os_error_code='28'" in text:
+        cause = "the disk is full"
+    else:
+        cause = (text.strip().splitlines() or [type(error).__name__])[0][:160]
+    return (
+        f"could not write the checkpoint of step {step} in {directory}: {cause}; the "
+        "previous checkpoint stays the newest (the partial write is ignored, and removed "
+        "at the next start); free space and run again to resume from it"
+    )
 
 
 def _damaged_file(error: Exception, directory: Path) -> str:
@@ -69,10 +92,14 @@ class Checkpointer:
     def __init__(self, directory: Path, keep: int):
         # Which steps to save is the trainer's call; the manager only keeps the last K.
         self._options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, enable_async_checkpointing=True, create=False
+            max_to_keep=keep,
+            enable_async_checkpointing=True,
+            create=False,
+            cleanup_tmp_directories=True,  # a save a crash cut short is never resumed
         )
         self.directory = Path(directory).absolute()
         self._manager = None
+        self._writing: int | None = None  # the step of the save in flight
 
     @property
     def manager(self) -> ocp.CheckpointManager:
@@ -124,8 +151,13 @@ class Checkpointer:
                 )
         return None
 
+    @property
+    def damaged_directory(self) -> Path:
+        """Where damaged checkpoints are moved: beside the good ones, never deleted."""
+        return self.directory.parent / "checkpoints-damaged"
+
     def _move_aside(self, step: int) -> Path:
-        aside = self.directory.parent / "checkpoints-damaged"
+        aside = self.damaged_directory
         aside.mkdir(exist_ok=True)
         target = aside / str(step)
         suffix = 1
@@ -166,7 +198,7 @@ class Checkpointer:
         self.directory.mkdir(parents=True, exist_ok=True)
         if step in self.manager.all_steps():
             return False
-        need = _bytes_written(state) + SPACE_MARGIN
+        need = bytes_written(state) + SPACE_MARGIN
         free = shutil.disk_usage(self.directory).free
         if free < need:
             raise ValueError(
@@ -174,14 +206,30 @@ class Checkpointer:
                 f"{need / 1e9:.2f} GB needed, {free / 1e9:.2f} GB free; the previous "
                 "checkpoint is intact; free space and run again to resume from it"
             )
-        return self.manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state),
-                data=ocp.args.JsonSave(data_state),
-                config=ocp.args.JsonSave(config),
-            ),
-        )
+        with self._failures():  # the previous save's failure surfaces here
+            started = self.manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state),
+                    data=ocp.args.JsonSave(data_state),
+                    config=ocp.args.JsonSave(config),
+                ),
+            )
+        self._writing = step
+        return started
+
+    @contextlib.contextmanager
+    def _failures(self):
+        """Turns a failed asynchronous write into a one-line ValueError. What it left
+        half-written (orbax writes into `<step>.orbax-checkpoint-tmp*`) is never listed as
+        a step; it is removed now as far as it can be, and by orbax at the next start."""
+        try:
+            yield
+        except Exception as error:  # tensorstore and orbax raise ValueError, OSError, ...
+            step, self._writing = self._writing, None
+            for partial in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
+                shutil.rmtree(partial, ignore_errors=True)  # frees what it can now
+            raise ValueError(_write_failure(step, self.directory, error)) from None
 
     def restore(self, step: int, like):
         """(state, data_state) of `step`, with `like`'s structure, shapes and shardings
@@ -203,11 +251,17 @@ class Checkpointer:
     def wait(self) -> None:
         """Returns once the last save is complete on every process (before exiting on a signal)."""
         if self._manager is not None:
-            self._manager.wait_until_finished()
+            with self._failures():
+                self._manager.wait_until_finished()
             if jax.process_count() > 1:
                 multihost_utils.sync_global_devices("moe_jax: checkpoint complete")
 
     def close(self) -> None:
+        """Waits for the save in flight (a one-line ValueError if it failed) and closes."""
         if self._manager is not None:
-            self._manager.wait_until_finished()
-            self._manager.close()
+            manager, self._manager = self._manager, None
+            try:
+                with self._failures():
+                    manager.wait_until_finished()
+            finally:
+                manager.close()

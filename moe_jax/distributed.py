@@ -68,12 +68,12 @@ def in_slurm_step(env: Mapping[str, str]) -> bool:
     return all(key in env for key in needed) and int(env["SLURM_STEP_NUM_TASKS"]) > 1
 
 
-def initialize(coordinator: str = "", num_processes: int = 0, process_id: int = -1) -> None:
-    """Joins this process to the job before any other JAX call."""
+def initialize(coordinator: str = "", num_processes: int = 0, process_id: int = -1) -> bool:
+    """Joins this process to the job before any other JAX call; whether there was one."""
     explicit = bool(coordinator) or num_processes > 1
     env = os.environ
     if not explicit and not in_slurm_step(env):
-        return
+        return False
     # Only the CPU backend reads this; GPU collectives go through NCCL regardless.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if explicit:
@@ -83,7 +83,7 @@ def initialize(coordinator: str = "", num_processes: int = 0, process_id: int = 
                 f"--process_id={process_id}: give all three, with 0 <= process_id < num_processes"
             )
         jax.distributed.initialize(coordinator, num_processes, process_id)
-        return
+        return True
     # JAX finds the coordinator (first node of the step) itself; the process
     # count is the step's, which may be fewer than the job's SLURM_NTASKS.
     devices = None if "JAX_LOCAL_DEVICE_IDS" in env else slurm_local_devices(env)
@@ -92,3 +92,4 @@ def initialize(coordinator: str = "", num_processes: int = 0, process_id: int = 
         process_id=int(env["SLURM_PROCID"]),
         local_device_ids=devices,
     )
+    return True

@@ -11,9 +11,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from absl import app, flags, logging
+from absl import app, flags
 
-from moe_jax import cli
+from moe_jax import cli, quiet
 from moe_jax import config as config_lib
 
 _CONFIG = cli.define_config_flag()
@@ -44,17 +44,20 @@ def _main(argv: list[str]) -> None:
         config = config_lib.load(_CONFIG.value)
     except ValueError as error:
         raise SystemExit(f"error: {error}") from None
-    if not flags.FLAGS["verbosity"].present:  # orbax and jax log every step at INFO
-        logging.set_verbosity(logging.WARNING)
+    verbose = flags.FLAGS["verbosity"].present
+    if not verbose:
+        quiet.quiet_libraries()
     config_path = flags.FLAGS["config"].config_filename
     workdir = Path(_WORKDIR.value or Path("runs") / Path(config_path).stem)
 
     from moe_jax import distributed, preemption, trainer  # after validation: slow imports
 
     try:
-        distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+        joined = distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     except ValueError as error:
         raise SystemExit(f"error: {error}") from None
+    if joined and not verbose:
+        quiet.drop_native_lines()
 
     try:
         trainer.run(config, workdir)

@@ -19,11 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_jax import config as config_lib
-from moe_jax import flops, memory_check
+from moe_jax import checkpoint, flops, memory_check
 from moe_jax import workdir as workdir_lib
 from moe_jax.checkpoint import Checkpointer
 from moe_jax.data import pipeline
-from moe_jax.metrics import MetricsLogger
+from moe_jax.metrics import MetricsLogger, read_rows
 from moe_jax.parallel import mesh as mesh_lib
 from moe_jax.plan.resolve import check_plan
 from moe_jax.plots import plot_run
@@ -130,6 +130,17 @@ def _check_own_config_json(workdir: Path) -> None:
         )
 
 
+def _check_not_all_damaged(checkpoints: Checkpointer) -> None:
+    """Starting over in a workdir whose checkpoints were all damaged would mix two runs
+    (and drop the first one's metrics): refused, every time, until the user chooses."""
+    aside = checkpoints.damaged_directory
+    if aside.exists() and not checkpoints.steps():
+        raise ValueError(
+            f"no readable checkpoint is left in {checkpoints.directory} (the damaged ones "
+            f"are in {aside}); starting over here would mix two runs: use a new --workdir"
+        )
+
+
 def run(config: config_lib.Config, workdir: str | Path) -> dict[str, Any]:
     """Trains (or resumes) `config` in `workdir`; returns the last logged rows."""
     workdir = Path(workdir)
@@ -158,7 +169,10 @@ def run(config: config_lib.Config, workdir: str | Path) -> dict[str, Any]:
         config_dict = dataclasses.asdict(config)
         checkpoints.check_compatible(config_dict)
         _check_own_config_json(workdir)
+        read_rows(workdir / "metrics.jsonl")  # a line damaged mid-file stops it here
         found = checkpoints.newest_readable()
+        if found is None:
+            _check_not_all_damaged(checkpoints)
         start = found[0] if found else 0
         if start:
             for line in _resume_changes(config_dict, found[1], start):
@@ -170,33 +184,42 @@ def run(config: config_lib.Config, workdir: str | Path) -> dict[str, Any]:
         for line in lines:
             say(line)
         memory_check.check(config, need, limit)
+        graphdef, abstract = abstract_state(config, layout)
+        state_sharding = mesh_lib.train_state_shardings(abstract, layout, config.parallel.zero)
+        placed = with_shardings(abstract, state_sharding)
+        need = checkpoint.bytes_written(placed) + checkpoint.SPACE_MARGIN
+        workdir_lib.check(workdir, need_bytes=need, purpose=" to save a checkpoint")
         took_over = lock.acquire() if process == 0 else None  # the run's first write
     except ValueError as error:
         raise RunError(str(error)) from None
     if took_over:
         say(took_over)
     try:
-        return _train(config, workdir, layout, sharding, checkpoints, train_batches, config_dict)
+        return _train(config, workdir, layout, graphdef, placed, checkpoints, train_batches)
     finally:
         lock.release()
 
 
-def _train(config, workdir: Path, layout, sharding, checkpoints, train_batches, config_dict):
-    """The run itself, once everything that can reject it has been checked."""
+def _train(config, workdir: Path, layout, graphdef, placed, checkpoints, train_batches):
+    """The run itself, once everything that can reject it has been checked. `placed` is
+    the abstract state in the plan's shardings, placed as the step's outputs will be:
+    the state is built (or read) straight into it, so nothing exists whole on one
+    device and step 1 does not compile twice."""
     tc, process = config.train, jax.process_index()
+    sharding = mesh_lib.batch_sharding(layout)
     rows = pipeline.local_rows(sharding, tc.batch_size, tc.seq_len)
-
-    # The state is built (or read) straight into the plan's shardings, placed as the
-    # step's outputs will be, so nothing exists whole on one device and step 1 does not
-    # compile twice.
-    graphdef, abstract = abstract_state(config, layout)
-    state_sharding = mesh_lib.train_state_shardings(abstract, layout, config.parallel.zero)
-    restored = checkpoints.restore_newest(with_shardings(abstract, state_sharding), say)
+    config_dict = dataclasses.asdict(config)
+    state_sharding = jax.tree.map(lambda x: x.sharding, placed)
+    restored = checkpoints.restore_newest(placed, say)
     if restored is not None:
         start, state, data_state = restored
         train_batches.set_state(data_state)
         say(f"resumed from {checkpoints.directory / str(start)}")
     else:
+        try:
+            _check_not_all_damaged(checkpoints)  # every one failed to restore
+        except ValueError as error:
+            raise RunError(str(error)) from None
         start, state = 0, init_placed(config, layout, state_sharding)
     workdir.mkdir(parents=True, exist_ok=True)
     if process == 0:  # one writer for the run's files in a multi-process job
@@ -225,10 +248,12 @@ def _train(config, workdir: Path, layout, sharding, checkpoints, train_batches, 
     bad = (jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
     logged = start  # the last step whose metrics were read
 
-    def save(step: int) -> None:
+    def save(step: int, wait: bool = False) -> None:
         try:
             checkpoints.save(step, state, train_batches.get_state(), config_dict)
-        except ValueError as error:  # the disk cannot hold it: nothing was written
+            if wait:
+                checkpoints.wait()
+        except ValueError as error:  # the disk cannot hold it: nothing half-written is kept
             raise RunError(str(error)) from None
 
     try:
@@ -303,8 +328,7 @@ def _train(config, workdir: Path, layout, sharding, checkpoints, train_batches, 
                     last = {**last, **val}
                     clock, clock_step = time.perf_counter(), step
                 if stop.reached(step):
-                    save(step)
-                    checkpoints.wait()
+                    save(step, wait=True)
                     say(f"{stop.name}: saved step {step} in {checkpoints.directory}")
                     raise Stopped(f"{stop.name}: stopped after step {step}; run again to resume")
                 if tc.checkpoint_every and step % tc.checkpoint_every == 0:
@@ -312,8 +336,11 @@ def _train(config, workdir: Path, layout, sharding, checkpoints, train_batches, 
             if tc.steps > start:
                 save(tc.steps)
     finally:
-        checkpoints.close()
         logger.close()
+        try:
+            checkpoints.close()  # waits for the last save
+        except ValueError as error:
+            raise RunError(str(error)) from None
     if process == 0:
         pictures = plot_run(workdir)
         print(f"outputs in {workdir}: metrics.jsonl, tb/, checkpoints/, config.json, ", end="")

@@ -22,9 +22,10 @@ from pathlib import Path
 LOCK_NAME = ".lock"
 
 
-def check(workdir: Path, flag: str = "--workdir", need_bytes: int = 0) -> None:
+def check(workdir: Path, flag: str = "--workdir", need_bytes: int = 0, purpose: str = "") -> None:
     """A one-line ValueError when `workdir` cannot be made and written as a directory
-    (named as `flag` in the message), or has not `need_bytes` free; writes nothing."""
+    (named as `flag` in the message), or has not `need_bytes` free (for `purpose`, said
+    in the message); writes nothing."""
     path = Path(workdir).absolute()
     if path.exists() and not path.is_dir():
         raise ValueError(f"{flag}={workdir} is a file, not a directory")
@@ -37,10 +38,13 @@ def check(workdir: Path, flag: str = "--workdir", need_bytes: int = 0) -> None:
         raise ValueError(f"{flag}={workdir}: {existing} is on a read-only file system")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ValueError(f"{flag}={workdir}: {existing} is not writable by this user")
+    if not need_bytes:
+        return
     free = shutil.disk_usage(existing).free
     if free < need_bytes:
         raise ValueError(
-            f"{flag}={workdir}: {need_bytes / 1e6:,.1f} MB needed, {free / 1e6:,.1f} MB free "
+            f"{flag}={workdir}: {need_bytes / 1e6:,.1f} MB needed{purpose}, "
+            f"{free / 1e6:,.1f} MB free "
             f"on {existing}"
         )
 

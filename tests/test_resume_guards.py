@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from moe_jax import trainer
+from moe_jax.checkpoint import Checkpointer
 from moe_jax.metrics import read_rows
 from tests.test_trainer import TINY, _snapshot, _start, _train_cmd, _wait_for, tiny_config
 
@@ -100,14 +101,22 @@ def test_resume_settings_come_from_the_checkpoint_not_its_files(tmp_path):
     assert saved["model"] == want["model"] and saved["train"]["steps"] == 2
 
 
-def test_a_full_disk_stops_the_run_in_one_line_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
+def test_a_disk_filling_during_the_run_stops_before_the_next_save(tmp_path, monkeypatch):
+    """Free space is checked again before each save (another writer may have taken it
+    since the start): one line, nothing written, the last checkpoint intact."""
     import collections
 
     from moe_jax import checkpoint
 
     run = _ran(tmp_path, steps=2)
+    real, calls = checkpoint.shutil.disk_usage, []
     usage = collections.namedtuple("usage", "total used free")
-    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: usage(10**9, 10**9, 1000))
+
+    def filling(path):  # as at the start, then full
+        calls.append(path)
+        return real(path) if len(calls) == 1 else usage(10**9, 10**9, 1000)
+
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", filling)
     with pytest.raises(trainer.RunError) as error:
         trainer.run(tiny_config(steps=4, eval_every=0, checkpoint_every=2), run)
     message = str(error.value)
@@ -118,3 +127,28 @@ def test_a_full_disk_stops_the_run_in_one_line_and_keeps_the_last_checkpoint(tmp
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["2"]
     trainer.run(tiny_config(steps=4, eval_every=0, checkpoint_every=2), run)  # resumes from 2
     assert [r["step"] for r in read_rows(run / "metrics.jsonl") if "loss" in r] == [1, 2, 3, 4]
+
+
+def test_a_checkpoint_write_that_fills_the_disk_is_one_line(tmp_path, monkeypatch):
+    """A real full disk (a 1.4 MB file system: one checkpoint fits, the second does not)
+    inside orbax's asynchronous write: one line naming the step and the directory; the
+    partial write is not a step, and the previous checkpoint stays the newest. The free
+    space reported to the pre-checks is inflated, as when another writer races the save."""
+    import collections
+
+    from moe_jax import checkpoint
+    from tests.small_disk import small_disk
+
+    usage = collections.namedtuple("usage", "total used free")
+    with small_disk(tmp_path / "disk", "1400k") as disk:
+        monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda p: usage(10**12, 0, 10**12))
+        run = disk / "run"
+        with pytest.raises(trainer.RunError) as error:
+            trainer.run(tiny_config(steps=6, eval_every=0, checkpoint_every=2), run)
+        message = str(error.value)
+        assert "\n" not in message
+        assert message.startswith(
+            f"could not write the checkpoint of step 4 in {run / 'checkpoints'}: the disk is full"
+        ), message
+        assert Checkpointer(run / "checkpoints", 3).steps() == [2]
+        assert Checkpointer(run / "checkpoints", 3).newest_readable()[0] == 2

@@ -1,0 +1,85 @@
+"""Third-party output that means nothing to a user, kept out of a run's output unless
+`--verbosity` asks for it.
+
+Why: orbax logs each failed background write as an ERROR with its traceback (and
+warns about its own temporary directories), though the trainer reports the failure
+itself in one line; gloo, the CPU collectives of a multi-process run, prints a
+"[Gloo] Rank i is connected to j peer ranks" line for each communicator from C++,
+straight to file descriptor 1, where no Python setting reaches; and after a failed
+checkpoint write, tensorstore's late callbacks find orbax's event loop closed and each
+print an "Event loop is closed" traceback as an unraisable exception.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+import threading
+
+from absl import logging as absl_logging
+
+QUIET_LIBRARIES = (f"{os.sep}orbax{os.sep}",)
+NATIVE_NOISE = (b"[Gloo] ",)
+
+
+class _NotFrom(logging.Filter):
+    """Drops records logged from files whose path contains one of `parts`."""
+
+    def __init__(self, parts: tuple[str, ...]):
+        super().__init__()
+        self.parts = parts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(part in record.pathname for part in self.parts)
+
+
+def _late_callback(unraisable) -> bool:
+    """An asyncio callback scheduled on a loop that orbax has already closed."""
+    error = unraisable.exc_value
+    return isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+
+
+def quiet_libraries() -> None:
+    """Warnings and errors only, and none from the libraries whose failures the trainer
+    reports itself."""
+    absl_logging.set_verbosity(absl_logging.WARNING)
+    logging.getLogger("absl").addFilter(_NotFrom(QUIET_LIBRARIES))
+    default = sys.unraisablehook
+
+    def hook(unraisable) -> None:
+        if not _late_callback(unraisable):
+            default(unraisable)
+
+    sys.unraisablehook = hook
+
+
+def drop_native_lines(prefixes: tuple[bytes, ...] = NATIVE_NOISE) -> None:
+    """Filters lines starting with one of `prefixes` out of file descriptor 1.
+
+    fd 1 becomes a pipe that a thread copies to the real stdout line by line; at exit
+    fd 1 is put back and the thread drains what is left, so no line is lost or
+    reordered."""
+    sys.stdout.flush()
+    real = os.dup(1)
+    read, write = os.pipe()
+    os.dup2(write, 1)
+    os.close(write)
+
+    def copy() -> None:
+        with os.fdopen(read, "rb") as source, os.fdopen(os.dup(real), "wb", 0) as sink:
+            for line in source:
+                if not line.startswith(prefixes):
+                    sink.write(line)
+
+    thread = threading.Thread(target=copy, name="stdout-filter", daemon=True)
+    thread.start()
+
+    def restore() -> None:
+        sys.stdout.flush()
+        os.dup2(real, 1)  # closes the pipe's last writer: the thread sees its end
+        os.close(real)
+        thread.join(timeout=10)
+
+    atexit.register(restore)
