@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_jax import config as config_lib
 from moe_jax import checkpoint, flops, memory_check
+from moe_jax import config as config_lib
 from moe_jax import workdir as workdir_lib
 from moe_jax.checkpoint import Checkpointer
 from moe_jax.data import pipeline
