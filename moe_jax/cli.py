@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import runpy
 import sys
 from pathlib import Path
 
@@ -56,13 +57,42 @@ def check_config_args(argv: list[str]) -> str | None:
     """The first problem of the config flags in `argv` (a missing file, an override that
     names no setting), as one line, or None."""
     name = _config_file(argv)
-    if name is not None and not Path(name.split(":", 1)[0]).is_file():
-        return f"cannot load --config={name}: no such file (configs are in {CONFIGS})"
+    if name is not None:
+        problem = _config_file_problem(name)
+        if problem:
+            return f"cannot load --config={name}: {problem}"
     for path in _overrides(argv):
         problem = unknown_setting(path)
         if problem:
             return problem
     return None
+
+
+def _config_file_problem(name: str) -> str | None:
+    """Why the config file `name` (`path[:argument]`) cannot give a config, or None. The
+    file is run here, so its own errors read as one line and not as ml_collections'
+    traceback."""
+    path, _, argument = name.partition(":")
+    if not Path(path).is_file():
+        return f"no such file (configs are in {CONFIGS})"
+    try:
+        get_config = runpy.run_path(path).get("get_config")
+    except SyntaxError as error:
+        return f"SyntaxError at line {error.lineno}: {error.msg}"
+    except Exception as error:  # whatever the user's file raises
+        return f"running it raised {_one_line(error)}"
+    if not callable(get_config):
+        return "it defines no get_config()"
+    try:
+        get_config(*([argument] if argument else []))
+    except Exception as error:
+        return f"get_config() raised {_one_line(error)}"
+    return None
+
+
+def _one_line(error: Exception) -> str:
+    text = (str(error).strip().splitlines() or [""])[0]
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 def _closest(word: str, valid: list[str]) -> str | None:

@@ -6,8 +6,9 @@ warns about its own temporary directories), though the trainer reports the failu
 itself in one line; gloo, the CPU collectives of a multi-process run, prints a
 "[Gloo] Rank i is connected to j peer ranks" line for each communicator from C++,
 straight to file descriptor 1, where no Python setting reaches; and after a failed
-checkpoint write, tensorstore's late callbacks find orbax's event loop closed and each
-print an "Event loop is closed" traceback as an unraisable exception.
+checkpoint write or read, orbax's abandoned coroutines and tensorstore's late
+callbacks (which find orbax's event loop closed) each print a traceback as an
+unraisable exception.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import logging
 import os
 import sys
 import threading
+import traceback
 
 from absl import logging as absl_logging
 
@@ -35,10 +37,15 @@ class _NotFrom(logging.Filter):
         return not any(part in record.pathname for part in self.parts)
 
 
-def _late_callback(unraisable) -> bool:
-    """An asyncio callback scheduled on a loop that orbax has already closed."""
+def _left_by_a_failed_checkpoint(unraisable) -> bool:
+    """An error in orbax's abandoned coroutines once a save or restore has failed (the
+    trainer reports the failure itself), or a late callback that finds orbax's event
+    loop already closed."""
     error = unraisable.exc_value
-    return isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+    if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+        return True
+    frames = traceback.extract_tb(unraisable.exc_traceback) if unraisable.exc_traceback else []
+    return any(part in frame.filename for frame in frames for part in QUIET_LIBRARIES)
 
 
 def quiet_libraries() -> None:
@@ -49,7 +56,7 @@ def quiet_libraries() -> None:
     default = sys.unraisablehook
 
     def hook(unraisable) -> None:
-        if not _late_callback(unraisable):
+        if not _left_by_a_failed_checkpoint(unraisable):
             default(unraisable)
 
     sys.unraisablehook = hook
@@ -67,8 +74,10 @@ def drop_native_lines(prefixes: tuple[bytes, ...] = NATIVE_NOISE) -> None:
     os.dup2(write, 1)
     os.close(write)
 
+    sink_fd = os.dup(real)  # the thread's own copy: `restore` closes `real`
+
     def copy() -> None:
-        with os.fdopen(read, "rb") as source, os.fdopen(os.dup(real), "wb", 0) as sink:
+        with os.fdopen(read, "rb") as source, os.fdopen(sink_fd, "wb", 0) as sink:
             for line in source:
                 if not line.startswith(prefixes):
                     sink.write(line)

@@ -25,6 +25,9 @@ def test_two_local_processes_match_one(tmp_path, single_process_run):
     np.testing.assert_allclose(list(got.values()), [want[s] for s in got], rtol=1e-5)
     assert (workdir / "checkpoints" / str(STEPS)).is_dir()
     assert "process_1.log" in os.listdir(workdir)
+    # gloo's connection lines are not the user's business (shown with --verbosity)
+    assert "[Gloo]" not in done.stdout + (workdir / "process_1.log").read_text()
+    assert "[Gloo]" not in done.stderr
 
 
 def test_incomplete_distributed_flags_are_one_line():
@@ -97,22 +100,3 @@ def test_local_launch_keeps_the_users_xla_flags_and_reads_both_workdir_forms(mon
     assert local["_xla_flags"](4) == "--xla_dump_to=/tmp/x --xla_force_host_platform_device_count=4"
     assert local["_workdir"](["--workdir", "runs/a", "--config.train.steps=1"]) == "runs/a"
     assert local["_workdir"](["--workdir=runs/b"]) == "runs/b"
-
-
-@pytest.mark.parametrize(
-    "flag,words",
-    [
-        ("--config.train.stepz=1", "unknown setting train.stepz"),
-        ("--config.train.steps=abc", "--config.train.steps=abc"),
-    ],
-)
-def test_local_launch_with_a_bad_training_flag_is_one_line_and_writes_nothing(
-    tmp_path, flag, words
-):
-    workdir = tmp_path / "run"
-    launch = [sys.executable, "launch/local.py", "-n", "2", "--devices", "1", "--"]
-    done = run([*launch, "--workdir", str(workdir), flag], devices=1)
-    assert done.returncode == 1
-    assert "Traceback" not in done.stderr
-    assert words in done.stderr.strip().splitlines()[-1]
-    assert not workdir.exists()  # no process log left behind

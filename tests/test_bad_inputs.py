@@ -1,0 +1,479 @@
+"""Bad input on the five real command lines, typed as a user types them and run from
+outside the repository: `moe_jax.train`, `moe_jax.plan`, `moe_jax.tools.comm_report`,
+`moe_jax.data.prepare` and `launch/local.py`.
+
+Every case must end with a non-zero exit status, no traceback on stderr, and a last
+stderr line that is one `error:` line naming the setting or path at fault; and every
+file under the directory it ran in (workdirs, data, configs) must be byte-identical
+afterwards, except damaged checkpoints that the run moved to `checkpoints-damaged/`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moe_jax import workdir as workdir_lib
+from moe_jax.data import prepare
+from moe_jax.data.token_files import write_meta, write_split
+from tests.small_disk import small_disk
+from tests.test_trainer import ROOT, TINY, _snapshot
+
+COMMANDS = {
+    "train": ["-m", "moe_jax.train"],
+    "plan": ["-m", "moe_jax.plan", "--gpus=8"],
+    "comm_report": ["-m", "moe_jax.tools.comm_report"],
+    "prepare": ["-m", "moe_jax.data.prepare"],
+    "launch": [str(ROOT / "launch" / "local.py")],
+}
+TRAINED = [*TINY, "--config.train.eval_every=0", "--config.train.checkpoint_every=2"]
+TRAINED_STEPS = 4  # checkpoints 2 and 4
+
+
+class Place:
+    """The directory a case runs in, and what its setup may put there."""
+
+    def __init__(self, root: Path, template: Path, stack: contextlib.ExitStack):
+        self.root, self._template, self.stack = root, template, stack
+
+    def file(self, name: str = "blocker", text: str = "a user's file\n") -> Path:
+        (self.root / name).write_text(text)
+        return self.root / name
+
+    def trained(self) -> Path:
+        """A finished run (checkpoints 2 and 4) of the TINY model in `run/`."""
+        shutil.copytree(self._template, self.root / "run", symlinks=True)
+        return self.root / "run"
+
+    def prepared(self, name: str = "data") -> Path:
+        text = self.root / "text.txt"
+        text.write_text("".join(f"document {i}: the quick brown fox.\n\n" for i in range(300)))
+        assert prepare.main(["--input", str(text), "--output", str(self.root / name)]) == 0
+        return self.root / name
+
+    def small_disk(self, name: str = "disk", size: str = "1m", read_only: bool = False) -> Path:
+        return self.stack.enter_context(small_disk(self.root / name, size, read_only))
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    command: str
+    args: tuple[str, ...]  # `{root}` is the directory the case runs in
+    expect: tuple[str, ...]  # all in the last stderr line
+    setup: Callable[[Place], object] | None = None
+    moved: tuple[int, ...] = ()  # damaged checkpoints the run moves aside
+
+
+def _c(name, command, args, *expect, setup=None, moved=()) -> Case:
+    return Case(name, command, tuple(args), expect, setup, moved)
+
+
+def _truncate_newest_data_file(step_dir: Path) -> None:
+    data = max((p for p in step_dir.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+
+
+def _all_checkpoints_damaged(place: Place) -> None:
+    run = place.trained()
+    for step in (2, 4):
+        _truncate_newest_data_file(run / "checkpoints" / str(step) / "state")
+
+
+def _held_by_a_live_run(place: Place) -> None:
+    lock = workdir_lib.Lock(place.trained())
+    lock.acquire()  # this test process stands for the live run
+    place.stack.callback(lock.release)
+
+
+def _out_of_vocabulary(place: Place) -> None:
+    data = place.prepared()
+    tokens = np.random.default_rng(1).integers(0, 256, 5000).astype(np.uint16)
+    tokens[1234] = 300  # vocab_size is 259: meta.json understates it
+    write_split(data, "train", tokens)
+    meta = json.loads((data / "meta.json").read_text())
+    meta["splits"]["train"].update(num_tokens=5000, max_id=300)
+    write_meta(data, meta)
+
+
+def _garble(path: Path, text: str = "{not json") -> None:
+    path.write_text(text)
+
+
+def _torn_middle_of_metrics(place: Place) -> None:
+    metrics = place.trained() / "metrics.jsonl"
+    lines = metrics.read_text().splitlines()
+    lines[1] = lines[1][:10]
+    metrics.write_text("\n".join(lines) + "\n")
+
+
+def _user_config_json(place: Place) -> None:
+    (place.root / "run").mkdir()
+    place.file("run/config.json", '{"my": "notes"}\n')
+
+
+def _truncated_split(place: Place) -> None:
+    split = place.prepared() / "train.bin"
+    split.write_bytes(split.read_bytes()[:-3])
+
+
+TOKENS = ["--config.data.source=tokens", "--config.data.path={root}/data"]
+WORKDIR = "--workdir={root}/run"
+SHARED_FLAGS = [  # every absl command: a mistyped or unknown setting, a missing config
+    ("trian_section", ["--config.trian.steps=1"], "unknown setting trian.steps", "train.steps?"),
+    ("stepz_key", ["--config.train.stepz=1"], "unknown setting train.stepz", "train.steps?"),
+    ("foo_key", ["--config.model.foo=1"], "unknown setting model.foo", "settings of model: ["),
+    ("missing_config", ["--config=nope.py"], "--config=nope.py: no such file"),
+    ("not_a_number", ["--config.train.steps=abc"], "--config.train.steps=abc"),
+    ("unknown_flag", ["--no_such_flag=1"], "no_such_flag"),
+    ("broken_config", ["--config={root}/mine.py"], "--config=", "mine.py: SyntaxError at line 1"),
+]
+
+CASES = [
+    *(
+        _c(f"{command}-{name}", command, args, *expect, setup=lambda p: p.file("mine.py", "def("))
+        for command in ("train", "plan", "comm_report")
+        for name, args, *expect in SHARED_FLAGS
+    ),
+    # train: the workdir
+    _c(
+        "workdir_is_a_file",
+        "train",
+        ["--workdir={root}/blocker"],
+        "blocker is a file",
+        setup=Place.file,
+    ),
+    _c(
+        "workdir_under_a_file",
+        "train",
+        ["--workdir={root}/blocker/run"],
+        "lies under",
+        setup=Place.file,
+    ),
+    _c(
+        "workdir_read_only_fs",
+        "train",
+        ["--workdir={root}/ro/run"],
+        "ro is on a read-only",
+        setup=lambda p: p.small_disk("ro", read_only=True),
+    ),
+    _c(
+        "workdir_disk_full",
+        "train",
+        [*TINY, "--workdir={root}/disk/run"],
+        "MB needed to save a checkpoint",
+        "MB free on",
+        setup=lambda p: p.small_disk(),
+    ),
+    _c(
+        "workdir_in_use",
+        "train",
+        [*TRAINED, WORKDIR, "--config.train.steps=6"],
+        "run is in use by process",
+        f"{os.getpid()}",
+        setup=_held_by_a_live_run,
+    ),
+    _c(
+        "users_own_config_json",
+        "train",
+        [*TINY, WORKDIR],
+        "config.json was not written by a run",
+        setup=_user_config_json,
+    ),
+    # train: resuming
+    _c(
+        "resume_changed_batch_size",
+        "train",
+        [*TRAINED, WORKDIR, "--config.train.batch_size=8"],
+        "train.batch_size=8 here but 4 in the checkpoint of step 4",
+        setup=Place.trained,
+    ),
+    _c(
+        "resume_changed_seq_len",
+        "train",
+        [*TRAINED, WORKDIR, "--config.train.seq_len=16"],
+        "train.seq_len=16 here but 32",
+        setup=Place.trained,
+    ),
+    _c(
+        "resume_changed_seed",
+        "train",
+        [*TRAINED, WORKDIR, "--config.train.seed=7"],
+        "train.seed=7 here",
+        setup=Place.trained,
+    ),
+    _c(
+        "resume_another_model",
+        "train",
+        [*TRAINED, WORKDIR, "--config.model.num_layers=3"],
+        "holds a checkpoint (step 4) of another model",
+        "model.num_layers=2 there, 3 here",
+        setup=Place.trained,
+    ),
+    _c(
+        "resume_every_checkpoint_damaged",
+        "train",
+        [*TRAINED, WORKDIR, "--config.train.steps=6"],
+        "no readable checkpoint is left in",
+        "checkpoints-damaged",
+        setup=_all_checkpoints_damaged,
+        moved=(4, 2),
+    ),
+    _c(
+        "resume_metrics_damaged_mid_file",
+        "train",
+        [*TRAINED, WORKDIR, "--config.train.steps=6"],
+        "metrics.jsonl line 2 is not JSON",
+        setup=_torn_middle_of_metrics,
+    ),
+    # train: data
+    _c(
+        "tokens_beyond_vocabulary",
+        "train",
+        [*TINY, *TOKENS, WORKDIR],
+        "train.bin",
+        "token id 300",
+        "model.vocab_size=259",
+        setup=_out_of_vocabulary,
+    ),
+    _c("data_path_missing", "train", [*TINY, *TOKENS, WORKDIR], "data.path=", "/data"),
+    _c(
+        "data_meta_garbled",
+        "train",
+        [*TINY, *TOKENS, WORKDIR],
+        "meta.json",
+        setup=lambda p: _garble(p.prepared() / "meta.json"),
+    ),
+    _c(
+        "data_split_truncated",
+        "train",
+        [*TINY, *TOKENS, WORKDIR],
+        "train.bin",
+        setup=_truncated_split,
+    ),
+    # train: settings
+    _c(
+        "intra_does_not_divide",
+        "train",
+        [*TINY, WORKDIR, "--config.parallel.intra=3"],
+        "parallel.intra=3 must divide the 1 devices",
+    ),
+    _c(
+        "attention_impl",
+        "train",
+        [*TINY, WORKDIR, "--config.model.attention_impl=magic"],
+        "model.attention_impl='magic' is invalid",
+        "'blockwise'",
+    ),
+    _c(
+        "remat",
+        "train",
+        [*TINY, WORKDIR, "--config.model.remat=sometimes"],
+        "model.remat='sometimes' is invalid",
+        "'selective'",
+    ),
+    _c(
+        "batch_size_zero",
+        "train",
+        [*TINY, WORKDIR, "--config.train.batch_size=0"],
+        "train.batch_size=0 is invalid",
+    ),
+    _c(
+        "config_without_get_config",
+        "train",
+        ["--config={root}/mine.py", WORKDIR],
+        "mine.py: it defines no get_config()",
+        setup=lambda p: p.file("mine.py", "x = 1\n"),
+    ),
+    _c(
+        "config_that_raises",
+        "train",
+        ["--config={root}/mine.py", WORKDIR],
+        "get_config() raised ZeroDivisionError",
+        setup=lambda p: p.file("mine.py", "def get_config():\n    return 1 / 0\n"),
+    ),
+    _c("positional_argument", "train", [WORKDIR, "extra"], "unexpected arguments ['extra']"),
+    _c(
+        "coordinator_alone",
+        "train",
+        [*TINY, WORKDIR, "--coordinator=localhost:1"],
+        "--coordinator='localhost:1' --num_processes=0",
+    ),
+    _c(
+        "model_too_big",
+        "train",
+        [f"--config={ROOT}/configs/mixtral_8x7b.py", WORKDIR],
+        "the plan needs",
+        "GB are available",
+    ),
+    # plan
+    _c("plan_gpus_zero", "plan", ["--gpus=0"], "--gpus=0: 0 is not a positive integer"),
+    _c("plan_gpus_not_a_number", "plan", ["--gpus=abc"], "--gpus=abc"),
+    _c("plan_unknown_gpu", "plan", ["--gpu=tpu9"], "--gpu=tpu9", "h800"),
+    _c("plan_no_layout", "plan", ["--gpus=7"], "no layout splits 7 GPUs"),
+    _c("plan_top_zero", "plan", ["--top=0"], "--top=0"),
+    # comm_report
+    _c(
+        "compare_on_one_device",
+        "comm_report",
+        ["--compare=tp+etp,sp+ep_a2a"],
+        "parallel.intra=1",
+        "xla_force_host_platform_device_count",
+    ),
+    _c("compare_malformed", "comm_report", ["--compare=bogus"], "--compare entry 'bogus'"),
+    # prepare
+    _c(
+        "prepare_input_missing",
+        "prepare",
+        ["--input={root}/nothing", "--output={root}/out"],
+        "--input",
+        "nothing does not exist",
+    ),
+    _c(
+        "prepare_output_is_a_file",
+        "prepare",
+        ["--input={root}/blocker", "--output={root}/blocker"],
+        "blocker is a file",
+        setup=Place.file,
+    ),
+    _c(
+        "prepare_output_under_a_file",
+        "prepare",
+        ["--input={root}/blocker", "--output={root}/blocker/out"],
+        "lies under",
+        setup=Place.file,
+    ),
+    _c(
+        "prepare_output_already_prepared",
+        "prepare",
+        ["--input={root}/text.txt", "--output={root}/data"],
+        "already holds a prepared corpus",
+        setup=Place.prepared,
+    ),
+    _c(
+        "prepare_disk_full",
+        "prepare",
+        ["--input={root}/big.txt", "--output={root}/disk/out"],
+        "MB needed",
+        "disk",
+        setup=lambda p: (p.file("big.txt", "words " * 400_000), p.small_disk()),
+    ),
+    _c(
+        "prepare_read_only_fs",
+        "prepare",
+        ["--input={root}/blocker", "--output={root}/ro/out"],
+        "read-only",
+        setup=lambda p: (p.file(), p.small_disk("ro", read_only=True)),
+    ),
+    _c(
+        "prepare_val_fraction",
+        "prepare",
+        ["--input={root}/blocker", "--output={root}/out", "--val_fraction=1.5"],
+        "--val_fraction=1.5 is invalid",
+        setup=Place.file,
+    ),
+    _c(
+        "prepare_tokenizer_missing",
+        "prepare",
+        ["--input={root}/blocker", "--output={root}/out", "--tokenizer={root}/tok.json"],
+        "tok.json",
+        setup=Place.file,
+    ),
+    _c("prepare_no_input_flag", "prepare", ["--output={root}/out"], "--input"),
+    # launch/local.py
+    _c(
+        "launch_bad_setting",
+        "launch",
+        ["-n", "2", "--", WORKDIR, "--config.trian.steps=1"],
+        "unknown setting trian.steps",
+    ),
+    _c(
+        "launch_invalid_setting_leaves_no_logs",
+        "launch",
+        ["-n", "2", "--devices", "1", "--", *TINY, WORKDIR, "--config.train.batch_size=0"],
+        "train.batch_size=0 is invalid",
+    ),
+    _c(
+        "launch_workdir_flag_apart",
+        "launch",
+        ["-n", "1", "--devices", "1", "--", *TINY, "--workdir", "{root}/blocker"],
+        "blocker is a file",
+        setup=Place.file,
+    ),
+    _c("launch_no_processes", "launch", ["-n", "0"], "-n=0"),
+    _c("launch_processes_not_a_number", "launch", ["-n", "abc"], "-n: invalid int value: 'abc'"),
+    _c(
+        "launch_missing_config",
+        "launch",
+        ["-n", "1", "--", "--config={root}/nope.py"],
+        "nope.py: no such file",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory) -> Path:
+    """A finished TINY run with checkpoints 2 and 4, trained once by the real command."""
+    run = tmp_path_factory.mktemp("trained") / "run"
+    args = [*TRAINED, f"--config.train.steps={TRAINED_STEPS}", f"--workdir={run}"]
+    done = _run(ROOT, "train", args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run
+
+
+def _run(cwd: Path, command: str, args: list[str]) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device
+    env["JAX_PLATFORMS"] = "cpu"
+    return subprocess.run(
+        [sys.executable, *COMMANDS[command], *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def _moved_aside(before: dict[str, str], steps: tuple[int, ...]) -> dict[str, str]:
+    """`before` with the checkpoints of `steps` under run/checkpoints-damaged/."""
+    moved = {}
+    for path, digest in before.items():
+        for step in steps:
+            prefix = f"run/checkpoints/{step}/"
+            if path.startswith(prefix):
+                path = f"run/checkpoints-damaged/{step}/" + path[len(prefix) :]
+        moved[path] = digest
+    return moved
+
+
+def test_there_are_enough_cases():
+    assert len(CASES) >= 40
+    assert {case.command for case in CASES} == set(COMMANDS)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
+def test_bad_input_is_one_line_and_changes_nothing(tmp_path: Path, template, case: Case):
+    with contextlib.ExitStack() as stack:
+        place = Place(tmp_path, template, stack)
+        if case.setup:
+            case.setup(place)
+        before = _snapshot(tmp_path)
+        args = [arg.replace("{root}", str(tmp_path)) for arg in case.args]
+        done = _run(tmp_path, case.command, args)
+        assert done.returncode != 0, done.stdout[-2000:]
+        assert "Traceback" not in done.stderr, done.stderr[-3000:]
+        last = done.stderr.strip().splitlines()[-1]
+        assert "error: " in last, done.stderr[-2000:]
+        for word in case.expect:
+            assert word.replace("{root}", str(tmp_path)) in last, last
+        assert _snapshot(tmp_path) == _moved_aside(before, case.moved)

@@ -1,0 +1,45 @@
+"""Third-party noise is kept out of a run's output, and nothing else is."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+PROGRAM = """
+import os, sys
+from moe_jax import quiet
+quiet.drop_native_lines()
+print("before", flush=True)
+os.write(1, b"[Gloo] Rank 0 is connected to 1 peer ranks.\\n")  # as gloo's C++ writes it
+os.write(1, b"a line of our own that mentions [Gloo] later\\n")
+print("after")
+"""
+
+
+def test_native_gloo_lines_are_dropped_and_the_rest_kept_in_order():
+    done = subprocess.run(
+        [sys.executable, "-c", PROGRAM], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "before\na line of our own that mentions [Gloo] later\nafter\n"
+
+
+UNRAISABLE = """
+from moe_jax import quiet
+quiet.quiet_libraries()
+class Raises:  # an exception in __del__ reaches sys.unraisablehook, as tensorstore's do
+    def __init__(self, error):
+        self.error = error
+    def __del__(self):
+        raise self.error
+Raises(RuntimeError("Event loop is closed"))
+Raises(ValueError("a real problem"))
+"""
+
+
+def test_only_orbaxs_leftovers_are_hidden():
+    done = subprocess.run(
+        [sys.executable, "-c", UNRAISABLE], capture_output=True, text=True, timeout=60
+    )
+    assert "Event loop is closed" not in done.stderr
+    assert "ValueError: a real problem" in done.stderr
