@@ -1,0 +1,98 @@
+"""Chaos: a run SIGKILLed at 20 points of a seeded random schedule (during steps, in the
+middle of a metrics line, during evaluation, while a checkpoint's data files are
+written, and before each rename that publishes a checkpoint), restarted after each
+kill, ends with the same parameters and the same logged losses, bit for bit, as a run
+that was never interrupted."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from moe_jax.checkpoint import Checkpointer
+from moe_jax.metrics import read_rows
+from tests.test_trainer import ROOT, TINY, _env, _final_params, _train_cli, tiny_config
+
+STEPS, EVERY_CHECKPOINT, EVERY_EVAL = 60, 5, 7
+SETTINGS = [
+    *TINY,
+    f"--config.train.steps={STEPS}",
+    f"--config.train.checkpoint_every={EVERY_CHECKPOINT}",
+    f"--config.train.eval_every={EVERY_EVAL}",
+]
+KINDS = ["step", "metrics_line", "eval", "checkpoint_data", "checkpoint_rename"]
+LOGGED = ("loss", "lm_loss", "aux_loss", "seq_aux_loss", "z_loss", "grad_norm", "lr", "val_loss")
+
+
+def _reached(resumed: int, kind: str, last: int) -> int:
+    """How often a run resumed at step `resumed` reaches a point of `kind` by step `last`."""
+    steps = range(resumed + 1, last + 1)
+    evals = sum(1 for s in steps if s % EVERY_EVAL == 0 or s == STEPS)
+    saves = sum(1 for s in steps if s % EVERY_CHECKPOINT == 0 or s == STEPS)
+    return {
+        "step": len(steps),
+        "metrics_line": len(steps) + evals,
+        "eval": evals,
+        "checkpoint_data": saves,
+        "checkpoint_rename": 4 * saves,  # config, data and state items, then the step
+    }[kind]
+
+
+def _schedule(seed: int = 0) -> list[tuple[str, int, int]]:
+    """20 kills: four of each kind in a seeded order, at seeded steps spread over the
+    run (in order), with a seeded choice of which of a checkpoint's renames."""
+    rng = random.Random(seed)
+    kinds = KINDS * 4
+    rng.shuffle(kinds)
+    targets = sorted(rng.randint(1, STEPS) for _ in kinds)
+    return [(kind, target, rng.randint(1, 4)) for kind, target in zip(kinds, targets, strict=True)]
+
+
+def _nth(kind: str, resumed: int, target: int, rename: int) -> int:
+    """Which occurrence of `kind` to kill at: at step `target`, or the first after it."""
+    target = max(target, resumed + 1)
+    before = _reached(resumed, kind, target - 1)
+    n = {"step": 1, "metrics_line": 1, "eval": 1, "checkpoint_data": 1}.get(kind, rename)
+    return min(before + n, _reached(resumed, kind, STEPS))
+
+
+def _resumes_at(run: Path) -> int:
+    checkpoints = Checkpointer(run / "checkpoints", 3)
+    steps = checkpoints.steps()
+    checkpoints.close()
+    return steps[0] if steps else 0
+
+
+def _logged(run: Path) -> list[tuple]:
+    rows = read_rows(run / "metrics.jsonl")
+    return [(row["step"], *(row.get(key) for key in LOGGED)) for row in rows]
+
+
+def test_twenty_kills_change_nothing(tmp_path: Path):
+    straight = tmp_path / "straight"
+    done = _train_cli(straight, *SETTINGS)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    run, kills = tmp_path / "chaos", []
+    for kind, target, rename in _schedule():
+        resumed = _resumes_at(run) if run.exists() else 0
+        n = _nth(kind, resumed, target, rename)
+        kills.append(f"{kind} #{n} from step {resumed} (target step {target})")
+        chaos = [sys.executable, "tests/chaos.py", kind, str(n), f"--workdir={run}", *SETTINGS]
+        killed = subprocess.run(chaos, cwd=ROOT, env=_env(), capture_output=True, text=True)
+        assert killed.returncode == -9, (kills, killed.stderr[-3000:])
+    done = _train_cli(run, *SETTINGS)
+    assert done.returncode == 0, (kills, done.stderr[-3000:])
+
+    assert _logged(run) == _logged(straight), kills  # every logged loss, bit for bit
+    config = tiny_config()
+    want, got = _final_params(straight, config), _final_params(run, config)
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert len({kill.split()[0] for kill in kills}) == len(KINDS)
+    print("kills:", "; ".join(kills))
