@@ -9,6 +9,7 @@ complete, so a crash mid-save leaves the previous checkpoint as the latest.
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import re
 import shutil
@@ -144,6 +145,7 @@ class Checkpointer:
                 state, data_state = self.restore(step, like)
                 return step, state, data_state
             except Exception as error:  # what orbax and tensorstore raise varies by damage
+                gc.collect()  # the reads orbax abandoned go now, not at interpreter exit
                 moved = self._move_aside(step)
                 say(
                     f"checkpoint {where} is damaged ({_damaged_file(error, where / item)}); "
@@ -227,6 +229,7 @@ class Checkpointer:
             yield
         except Exception as error:  # tensorstore and orbax raise ValueError, OSError, ...
             step, self._writing = self._writing, None
+            gc.collect()  # the writes orbax abandoned go now, not at interpreter exit
             for partial in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
                 shutil.rmtree(partial, ignore_errors=True)  # frees what it can now
             raise ValueError(_write_failure(step, self.directory, error)) from None

@@ -37,6 +37,17 @@ class _NotFrom(logging.Filter):
         return not any(part in record.pathname for part in self.parts)
 
 
+class _NotAbandoned(logging.Filter):
+    """Drops asyncio's reports of futures and tasks whose error nobody awaited: after a
+    failed checkpoint read or write, orbax abandons the rest of its batch of reads or
+    writes (the trainer reports the first error itself); the trainer has no other
+    asyncio work."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        first = str(record.msg).split("\n", 1)[0]  # "<Future class> exception was never retrieved"
+        return not first.endswith("exception was never retrieved")
+
+
 def _left_by_a_failed_checkpoint(unraisable) -> bool:
     """An error in orbax's abandoned coroutines once a save or restore has failed (the
     trainer reports the failure itself), or a late callback that finds orbax's event
@@ -53,6 +64,7 @@ def quiet_libraries() -> None:
     reports itself."""
     absl_logging.set_verbosity(absl_logging.WARNING)
     logging.getLogger("absl").addFilter(_NotFrom(QUIET_LIBRARIES))
+    logging.getLogger("asyncio").addFilter(_NotAbandoned())
     default = sys.unraisablehook
 
     def hook(unraisable) -> None:

@@ -43,3 +43,22 @@ def test_only_orbaxs_leftovers_are_hidden():
     )
     assert "Event loop is closed" not in done.stderr
     assert "ValueError: a real problem" in done.stderr
+
+
+ABANDONED = """
+import logging
+from moe_jax import quiet
+quiet.quiet_libraries()
+log = logging.getLogger("asyncio")
+log.error("_GatheringFuture exception was never retrieved\\nfuture: <_GatheringFuture>")
+log.error("Task exception was never retrieved\\ntask: <Task>")
+log.error("an asyncio error of another kind")
+"""
+
+
+def test_asyncios_reports_of_abandoned_futures_are_hidden():
+    done = subprocess.run(
+        [sys.executable, "-c", ABANDONED], capture_output=True, text=True, timeout=60
+    )
+    assert "never retrieved" not in done.stderr
+    assert "an asyncio error of another kind" in done.stderr
