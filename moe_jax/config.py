@@ -149,6 +149,9 @@ class ParallelConfig:
     # Embedding and output head split over the vocabulary on the intra group, with a
     # vocabulary-parallel cross-entropy (Megatron-LM's).
     vocab_parallel: bool = False
+    # Expert blocks run as this many independent chunks of each device's tokens (along
+    # the sequence), so one chunk's exchanges can overlap another's expert compute.
+    overlap_chunks: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -368,6 +371,7 @@ def _validate_parallel(p: ParallelConfig) -> None:
     _check(p.attention in attention, "parallel.attention", p.attention, f"valid: {attention}")
     _check(p.experts in experts, "parallel.experts", p.experts, f"valid: {experts}")
     _positive(p, "parallel", "etp")
+    _positive(p, "parallel", "overlap_chunks")
     _check(p.layout in ("manual", "auto"), "parallel.layout", p.layout, "valid: manual or auto")
     _check(p.gpu.lower() in gpus, "parallel.gpu", p.gpu, f"valid: {gpus}")
     _check(p.zero in (0, 1), "parallel.zero", p.zero, "valid: 0 or 1 (fsdp covers weights)")

@@ -112,6 +112,11 @@ MEANINGS: dict[str, str] = {
         "balanced share t·k/n (rounded up to 8, at most t·k); overflow is dropped and counted in "
         "`dropped_fraction`; 0: room for every assignment (exactly dropless)"
     ),
+    "parallel.overlap_chunks": (
+        "C: each expert block runs as C independent chunks of every device's tokens (split "
+        "along the sequence), each exchanging, computing and combining on its own, so one "
+        "chunk's exchanges can overlap another's expert compute; drops are decided per chunk"
+    ),
     "parallel.ag_threshold": "`auto` picks `ep_ag` when `moe.top_k / parallel.intra` exceeds this",
     "parallel.intra": "n: devices of one intra-node group (experts and sequence split over it)",
     "parallel.data": "data-parallel groups; `0` uses every device not taken by `intra`",

@@ -23,6 +23,8 @@ from moe_jax.moe.dispatcher import TokenDispatcher
 from moe_jax.moe.routing import route
 from moe_jax.parallel.layout import SINGLE_DEVICE, Layout
 
+CHUNK = "chunk"  # name scope of chunk c: f"{CHUNK}{c}"
+
 
 class RouterBias(nnx.Variable):
     """Aux-loss-free balancing bias: steers selection, updated outside the optimizer."""
@@ -53,12 +55,40 @@ class MoEParams:
 
 
 def moe_forward(
-    x: jax.Array, params: MoEParams, cfg: MoEConfig, dispatcher: TokenDispatcher
+    x: jax.Array,
+    params: MoEParams,
+    cfg: MoEConfig,
+    dispatcher: TokenDispatcher,
+    chunks: int = 1,
 ) -> tuple[jax.Array, losses.RouterStats]:
     """Routed experts for `x` [b, s, d] (whole sequences, or this device's part of them),
     the same for every layout: `dispatcher` moves the tokens (see
     `moe_jax.moe.dispatcher`). Returns the output like `x` and the router statistics
-    of the whole batch."""
+    of the whole batch.
+
+    With `chunks` > 1 (`parallel.overlap_chunks`) the tokens run as that many
+    independent chunks along the sequence, each routed, exchanged, computed and
+    combined on its own, so that the scheduler can run one chunk's exchanges while
+    another computes (inter-operator overlap). A barrier ties each chunk's first
+    exchange to the previous chunk's delivered rows: the exchanges keep their order
+    and are never merged back into one, while each chunk's compute stays free to
+    overlap the next chunk's exchange."""
+    if chunks == 1:
+        y, stats, _ = _chunk(x, params, cfg, dispatcher)
+        return y, stats
+    outs, previous = [], None
+    for c, part in enumerate(jnp.split(x, chunks, axis=1)):
+        with jax.named_scope(f"{CHUNK}{c}"):  # names each chunk's ops in the program
+            if previous is not None:
+                part, _ = jax.lax.optimization_barrier((part, previous))
+            y, stats, previous = _chunk(part, params, cfg, dispatcher)
+        outs.append((y, stats))
+    y = jnp.concatenate([y for y, _ in outs], axis=1)
+    return y, losses.merge_chunks([stats for _, stats in outs])
+
+
+def _chunk(x, params: MoEParams, cfg: MoEConfig, dispatcher: TokenDispatcher):
+    """(y, router statistics, the rows dispatch delivered) for the tokens of `x`."""
     group = dispatcher.gather(x)
     batch, seq, dim = group.shape
     tokens = group.reshape(batch * seq, dim)
@@ -69,7 +99,7 @@ def moe_forward(
     y = dispatcher.combine(out, sent).reshape(group.shape)
     delivered = dispatcher.delivered(routing, sent)
     stats = dispatcher.reduce(losses.router_stats(delivered, batch))
-    return dispatcher.scatter(y), stats
+    return dispatcher.scatter(y), stats, sent.rows
 
 
 class MoE(nnx.Module):

@@ -89,6 +89,14 @@ class RouterStats:
         )
 
 
+def merge_chunks(chunks: list[RouterStats]) -> RouterStats:
+    """The statistics of equal chunks of the same sequences (each chunk holds the same
+    number of positions of every sequence): means averaged, the load summed."""
+    mean = lambda *xs: sum(xs) / len(xs)
+    merged = jax.tree.map(mean, *chunks)
+    return dataclasses.replace(merged, load=sum(chunk.load for chunk in chunks))
+
+
 def _gather_rows(x: jax.Array, axes) -> jax.Array:
     """All shards' rows, stacked in mesh order, as a replicated value (a psum of
     zero-padded shards, which JAX knows to be the same on every device)."""

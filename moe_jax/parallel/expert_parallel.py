@@ -73,7 +73,12 @@ def run_block(layout, body, x: jax.Array, params):
 def exchange_block(layout, forward, x: jax.Array, params, cfg):
     """The MoE forward with the layout's dispatcher, per device inside one `shard_map`."""
     dispatcher = layout.expert_spec.dispatcher(cfg, layout)
-    return run_block(layout, lambda x, params: forward(x, params, cfg, dispatcher), x, params)
+    chunks = layout.overlap_chunks
+
+    def body(x, params):
+        return forward(x, params, cfg, dispatcher, chunks=chunks)
+
+    return run_block(layout, body, x, params)
 
 
 class AllGatherDispatcher(TokenDispatcher):

@@ -79,6 +79,8 @@ class Layout:
     vocab_spec: VocabSpec | None = None
     # parallel.a2a_buffer_factor: the all-to-all dispatchers' buffer rows (0: worst case).
     a2a_buffer_factor: float = 0.0
+    # parallel.overlap_chunks: independent chunks of each expert block's tokens.
+    overlap_chunks: int = 1
 
     # Each block kind runs under a name scope of its own, so the compiled
     # program says which block a collective belongs to.

@@ -44,6 +44,7 @@ def make_layout(config: Config, mesh: Mesh) -> Layout:
         expert_spec=registry.expert_spec(config),
         param_rules=registry.param_rules(config),
         a2a_buffer_factor=config.parallel.a2a_buffer_factor,
+        overlap_chunks=config.parallel.overlap_chunks,
         vocab_spec=registry.vocab_spec(config),
     )
 

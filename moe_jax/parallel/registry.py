@@ -117,6 +117,12 @@ def problems(config, num_devices: int, platform: str) -> list[str]:
             f"divisible by the parallel.intra={p.intra} devices parallel.attention="
             f"{attention.name!r} splits the sequence over"
         )
+    held = t.seq_len // (p.intra if attention.seq_axes else 1)  # positions a device holds
+    if held % p.overlap_chunks:
+        found.append(
+            f"parallel.overlap_chunks={p.overlap_chunks} must divide the {held} positions of "
+            f"each sequence a device holds under parallel.attention={attention.name!r}"
+        )
     found += attention_impls.problems(config.model.attention_impl, config.model.dtype, platform)
     if config.model.remat == "offload" and platform != "gpu":
         found.append(

@@ -17,13 +17,17 @@ Model, per device and per micro-batch of the slowest pipeline stage:
   * communication: alpha-beta, (g-1) * alpha + bytes sent / achievable bandwidth,
     with the activation bytes of `moe_jax.plan.comm_volume`, inside the
     node over NVLink, across nodes over the per-GPU NIC.
-  * overlap (`Plan.overlap`): "none" exposes every exchange inside the step and
-    runs the token permute and combine as passes of their own, as Megatron-LM
-    does; "megascale" pipelines each block's exchange with that block's GEMMs
-    over `Efficiency.overlap_chunks` chunks, exposing only
-    max(0, comm - compute) + min(comm, compute) / chunks, and fuses the row
-    gather and scatter into the grouped GEMM (the paper's intra-operator
-    fusion). Both overlap the data-parallel gradient sync
+  * overlap (`Plan.overlap`), the trainer's modes one to one: "none" exposes
+    every exchange inside the step and runs the token permute and combine as
+    passes of their own, as Megatron-LM does; "chunked" is
+    `parallel.overlap_chunks` = C (`Plan.overlap_chunks`): the expert block's
+    tokens run as C independent chunks, so its exchanges are pipelined with its
+    GEMMs, exposing max(0, comm - compute) + min(comm, compute) / C and paying
+    C times the latency terms; attention exchanges stay exposed. The paper's
+    own system ("megascale", `PAPER_OVERLAP`, read by `moe_jax.plan.paper_table`
+    only, never offered to the trainer) pipelines every block's exchange over
+    `Efficiency.overlap_chunks` chunks and fuses the row gather and scatter into
+    the grouped GEMM (its intra-operator fusion). All modes overlap the data-parallel gradient sync
     (`param_traffic.hierarchical_sync_bytes`, float32, or halved with
     `Plan.grad_dtype="bfloat16"`) with the last micro-batch's backward, except
     the first layer's share (its gradients are ready last).
@@ -67,7 +71,9 @@ from moe_jax.parallel.layout import DATA, INTRA
 from moe_jax.plan import comm_volume
 from moe_jax.plan.hardware import GPU
 
-OVERLAPS = ("none", "megascale")
+OVERLAPS = ("none", "chunked")  # what the trainer runs (parallel.overlap_chunks)
+PAPER_OVERLAP = "megascale"  # the paper's system, for reproducing its table only
+CHUNK_CHOICES = (1, 2, 4)  # overlap_chunks the planner tries
 GRAD_SYNCS = ("hierarchical", "per_micro_batch")
 REMATS = ("", "none", "selective", "offload", "full")
 ATTENTION_LAYOUTS = tuple(registry.ATTENTION)
@@ -88,7 +94,7 @@ class Efficiency:
     network: float = 0.88  # of the NIC's bandwidth
     nvlink_latency_s: float = 3e-6  # per ring or all-to-all step inside a node
     network_latency_s: float = 10e-6  # per step across nodes
-    overlap_chunks: int = 4  # chunks a block's exchange is pipelined over ("megascale")
+    overlap_chunks: int = 4  # chunks the paper's system pipelines each exchange over
     tile_overhead: float = 512  # reduction steps of a tile's prologue + epilogue (`tile_factor`)
     reference_reduction: float = 4096  # reduction length of the shapes `gemm` was measured on
 
@@ -105,7 +111,8 @@ class Plan:
     micro_batch: int = 1  # sequences per micro-batch of one data group
     zero: int = 0  # 1: optimizer state split over data
     etp: int = 2  # experts=ep_etp: devices splitting each expert's width
-    overlap: str = "megascale"
+    overlap: str = "chunked"
+    overlap_chunks: int = 1  # overlap="chunked": parallel.overlap_chunks (1: no overlap)
     grad_sync: str = "hierarchical"  # or "per_micro_batch" (the trainer as compiled today)
     remat: str = ""  # "full", "selective" or "none"; "" = the config's model.remat
     grad_dtype: str = "float32"  # of the data-parallel gradient exchange ("bfloat16": halved)
@@ -144,10 +151,9 @@ def bubble_fraction(stages: int, micro_batches: int) -> float:
     return (stages - 1) / (micro_batches + stages - 1)
 
 
-def exposed(comm: float, compute: float, overlap: str, chunks: int) -> float:
-    """Communication left on the critical path when it is pipelined with `compute`."""
-    if overlap == "none":
-        return comm
+def exposed(comm: float, compute: float, chunks: int) -> float:
+    """Communication left on the critical path when it is pipelined with `compute` in
+    `chunks` pieces: the first piece's exchange cannot hide (1: all of it is exposed)."""
     return max(0.0, comm - compute) + min(comm, compute) / chunks
 
 
@@ -326,8 +332,9 @@ class CostModel:
 
     def moe_ops(self) -> list[_Op]:
         """Router, grouped expert GEMMs, shared experts, and the memory-bound rest. With
-        `overlap="megascale"` the row gather and the weighted scatter are fused into the
-        grouped GEMM (the paper's intra-operator fusion), so they cost no pass of their own."""
+        the paper's overlap (`PAPER_OVERLAP`) the row gather and the weighted scatter are
+        fused into the grouped GEMM (its intra-operator fusion), so they cost no pass of
+        their own."""
         m, e, p, B = self.config.model, self.config.moe, self.plan, self.B
         T, t, n, h, f, k = self.T, self.t, p.intra, m.embed_dim, e.expert_mlp_dim, e.top_k
         routed = T if self.expert_spec.gathers_tokens else t  # the group's, after a gather
@@ -336,7 +343,7 @@ class CostModel:
         permuted = T * k / ep  # rows of all local experts, each at its 1/tp width
         weights = 3 * h * f * e.num_experts / n
         shared = e.num_shared_experts * e.shared_mlp_dim
-        fused = p.overlap == "megascale"
+        fused = p.overlap == PAPER_OVERLAP
         width = f / tp  # of each local expert
         per_expert = T * k / e.num_experts  # rows each expert receives (balanced)
         expert_shapes = ((per_expert, 2 * width, h), (per_expert, h, width))
@@ -408,7 +415,8 @@ class CostModel:
 
     def moe_exchanges(self) -> list[_Exchange]:
         p, m, e = self.plan, self.config.model, self.config.moe
-        out = [_Exchange("expert_exchange", self.activation.experts, p.intra, 2, self.intra)]
+        count = 2 * (1 if p.overlap == PAPER_OVERLAP else self.chunks("expert_exchange"))
+        out = [_Exchange("expert_exchange", self.activation.experts, p.intra, count, self.intra)]
         if p.expert_fsdp:  # this device's experts (its 1/n of the group's) from 'data'
             out.append(
                 self._weight_gather(3 * m.embed_dim * e.expert_mlp_dim * e.num_experts // p.intra)
@@ -432,11 +440,19 @@ class CostModel:
         tally = Tally(compute=compute)
         for x in exchanges:
             comm = x.seconds
-            shown = exposed(comm, partner, self.plan.overlap, self.eff.overlap_chunks)
+            shown = exposed(comm, partner, self.chunks(x.kind))
             partner = max(0.0, partner - (comm - shown))
             tally.add(Tally(exposed={x.kind: shown}, hidden={x.kind: comm - shown}))
         tally.backward = tally.seconds if backward else 0.0
         return tally
+
+    def chunks(self, kind: str) -> int:
+        """Pieces an exchange of `kind` is pipelined over (1: exposed)."""
+        if self.plan.overlap == PAPER_OVERLAP:
+            return self.eff.overlap_chunks
+        if self.plan.overlap == "chunked" and kind == "expert_exchange":
+            return self.plan.overlap_chunks
+        return 1
 
     @property
     def remat(self) -> str:
@@ -635,6 +651,7 @@ def sized_config(config: Config, plan: Plan, global_batch: int) -> Config:
         zero=plan.zero,
         etp=plan.etp,
         expert_fsdp=plan.expert_fsdp,
+        overlap_chunks=plan.overlap_chunks,
     )
     micro_batches = global_batch // (plan.data * plan.micro_batch)
     train = dataclasses.replace(config.train, batch_size=global_batch, grad_accum=micro_batches)

@@ -104,7 +104,7 @@ def plans(
     gpu: GPU,
     global_batch: int,
     pp: int | None = None,
-    overlap: str = "megascale",
+    overlap: str = "chunked",
     attention: tuple[str, ...] = ATTENTION_LAYOUTS,
     experts: tuple[str, ...] = EXPERT_LAYOUTS,
     intra: tuple[int, ...] = INTRA_SIZES,
@@ -137,23 +137,25 @@ def plans(
             kinds = _layouts(n, data, attention, experts)
             # Expert weights over 'data' too, where there is data parallelism.
             fsdp = (False, True) if data > 1 else (False,)
-            for (att, exp, etp), b, split in (
-                (k, b, f) for k in kinds for b in sizes if b > 0 for f in fsdp
+            chunks = cost_model.CHUNK_CHOICES if overlap == "chunked" else (1,)
+            for (att, exp, etp), b, split, c in (
+                (k, b, f, c) for k in kinds for b in sizes if b > 0 for f in fsdp for c in chunks
             ):
                 plan = Plan(
                     att,
                     exp,
                     n,
                     data,
-                    p,
-                    b,
-                    int(data > 1),
-                    etp,
-                    overlap,
-                    grad_sync,
-                    remat,
-                    grad_dtype,
-                    split,
+                    pp=p,
+                    micro_batch=b,
+                    zero=int(data > 1),
+                    etp=etp,
+                    overlap=overlap,
+                    overlap_chunks=c,
+                    grad_sync=grad_sync,
+                    remat=remat,
+                    grad_dtype=grad_dtype,
+                    expert_fsdp=split,
                 )
                 if problem(config, plan, global_batch, gpu) is None:
                     yield plan
@@ -188,7 +190,7 @@ def rank(
     gpu: GPU | str,
     global_batch: int | None = None,
     pp: int | None = None,
-    overlap: str = "megascale",
+    overlap: str = "chunked",
     eff: Efficiency | None = None,
     limit: int | None = None,
     check_memory: bool = True,
@@ -285,6 +287,7 @@ def choose_plan(config: Config, num_devices: int, gpu: GPU | str = "h800") -> di
             "zero": plan.zero,
             "etp": plan.etp,
             "expert_fsdp": plan.expert_fsdp,
+            "overlap_chunks": plan.overlap_chunks,
         }
 
     def runs(plan: Plan) -> bool:
@@ -397,6 +400,7 @@ def summary(candidate: Candidate) -> dict:
         "micro_batch": p.micro_batch,
         "zero": p.zero,
         "expert_fsdp": p.expert_fsdp,
+        "overlap_chunks": p.overlap_chunks,
         "overlap": p.overlap,
         "tokens_per_sec": c.tokens_per_sec,
         "mfu": c.mfu,
