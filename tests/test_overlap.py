@@ -120,3 +120,22 @@ def test_no_chunk_waits_for_a_later_chunks_exchange():
                 todo.extend(more)
             checked += 1
     assert checked >= 4 and own > 0  # the walk found GEMMs and the exchanges they wait for
+
+
+@pytest.mark.parametrize("experts,intra", [("ep_ag", 4), ("ep_a2a", 8)])
+def test_comm_report_shows_the_chunks_with_the_bytes_of_one(experts, intra):
+    """The report labels each exchange by its chunk, and the chunks together move the
+    bytes of the unchunked block (within 1%)."""
+    from moe_jax.tools import comm_report, hlo_collectives
+
+    one = planned(with_plan("dp", 8 // intra, intra, experts))
+    four = planned(_chunked(one.config, 4))
+    reports = [
+        comm_report.summarize(run.config, hlo_collectives.parse(run.hlo)) for run in (one, four)
+    ]
+    got, want = (r["activation_bytes_per_layer"]["measured_token_exchange"] for r in reports[::-1])
+    assert got == pytest.approx(want, rel=0.01)
+    rows = [row for row in reports[1]["collectives"] if row["tag"] == "token_exchange"]
+    assert {row["chunk"] for row in rows} == {0, 1, 2, 3}
+    table = comm_report.format_report({**reports[1], "compile_seconds": 0.0})
+    assert re.search(r"token_exchange\s+3\s+\d", table)  # the chunk column

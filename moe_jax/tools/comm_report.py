@@ -167,19 +167,20 @@ def report(config: config_lib.Config, compiler_options: dict | None = None) -> d
 
 def format_report(result: dict) -> str:
     """The table of collectives and the summary, as printed."""
-    header = ("kind", "pass", "role", "tag", "group", "dtype", "bytes/device", "count", "total")
+    header = ("kind", "pass", "role", "tag", "chunk", "group", "dtype", "bytes/device", "count")
     lines = [
         f"collectives of one training step ({CONVENTION})",
-        f"{header[0]:<19}{header[1]:<9}{header[2]:<11}{header[3]:<15}{header[4]:>6} "
-        f"{header[5]:<6}{header[6]:>14}{header[7]:>7}{header[8]:>14}",
+        f"{header[0]:<19}{header[1]:<9}{header[2]:<11}{header[3]:<15}{header[4]:>5}{header[5]:>6} "
+        f"{header[6]:<6}{header[7]:>14}{header[8]:>7}{'total':>14}",
     ]
     silent = [c for c in result["collectives"] if c["bytes"] == 0]
     for c in result["collectives"]:
         if c["bytes"] == 0:
             continue
         unsure = "" if c["count_known"] else "  (loop trip count unknown: counted once)"
+        chunk = "-" if c["chunk"] is None else c["chunk"]
         lines.append(
-            f"{c['kind']:<19}{c['pass']:<9}{c['role']:<11}{c['tag'] or '-':<15}"
+            f"{c['kind']:<19}{c['pass']:<9}{c['role']:<11}{c['tag'] or '-':<15}{chunk:>5}"
             f"{c['group_size']:>6} {c['dtype']:<6}{c['bytes']:>14,}{c['count']:>7}"
             f"{c['bytes'] * c['count']:>14,}{unsure}"
         )

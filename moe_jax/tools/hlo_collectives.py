@@ -82,6 +82,7 @@ _EXPLICIT_GROUPS = re.compile(r"replica_groups=\{(?P<groups>(?:\{[\d,\s]*\},?\s*
 _IOTA_GROUPS = re.compile(r"replica_groups=\[(?P<dims>[\d,\s]+)\]<=\[")
 _MESH_GROUPS = re.compile(r"replica_groups=mesh\[(?P<axes>[^\]]*)\]\s*\{(?P<names>[^}]*)\}")
 _PAIRS = re.compile(r"source_target_pairs=\{(?P<pairs>(?:\{\d+,\d+\},?)*)\}")
+_CHUNK = re.compile(r"/chunk(?P<c>\d+)/")  # the expert block's chunks (parallel.overlap_chunks)
 _MODULE_SIZE = re.compile(r"\b(?P<key>num_partitions|replica_count)=(?P<value>\d+)")
 
 
@@ -99,6 +100,7 @@ class Collective:
     tag: str = ""  # the named scope that made it an activation exchange, if any
     op_name: str = ""
     count_known: bool = True  # False when a loop on its call chain had no known trip count
+    chunk: int | None = None  # the `parallel.overlap_chunks` chunk it belongs to, if any
 
     @property
     def total(self) -> int:
@@ -135,7 +137,7 @@ def parse(hlo_text: str) -> list[Collective]:
             continue
         group = _group_size(kind, ins.attrs, devices)
         parts = _parts(ins, kind, group, element_names, shapes)
-        for (tag, pass_, dtype), (size, op_name) in parts.items():
+        for (tag, pass_, dtype, chunk), (size, op_name) in parts.items():
             result.append(
                 Collective(
                     kind=kind,
@@ -148,24 +150,26 @@ def parse(hlo_text: str) -> list[Collective]:
                     tag=tag,
                     op_name=op_name,
                     count_known=known,
+                    chunk=chunk,
                 )
             )
     return result
 
 
 def aggregate(collectives: Iterable[Collective]) -> list[Collective]:
-    """Rows identical in (kind, group_size, dtype, bytes, role, pass, tag) merged, counts
+    """Rows identical in (kind, group_size, dtype, bytes, role, pass, tag, chunk) merged, counts
     summed; the first row's op_name stands for the group. Largest total first."""
     merged: dict[tuple, Collective] = {}
     for c in collectives:
-        key = (c.kind, c.group_size, c.dtype, c.bytes, c.role, c.pass_, c.tag)
+        key = (c.kind, c.group_size, c.dtype, c.bytes, c.role, c.pass_, c.tag, c.chunk)
         if key in merged:
             old = merged[key]
             c = dataclasses.replace(
                 old, count=old.count + c.count, count_known=old.count_known and c.count_known
             )
         merged[key] = c
-    return sorted(merged.values(), key=lambda c: (c.role, c.pass_, -c.total, c.kind))
+    order = lambda c: (c.role, c.pass_, -c.total, c.kind, -1 if c.chunk is None else c.chunk)
+    return sorted(merged.values(), key=order)
 
 
 def _module_devices(text: str) -> int:
@@ -303,12 +307,12 @@ def _parts(
     group: int,
     element_names: dict[tuple[str, int], str],
     shapes: dict[str, str],
-) -> dict[tuple[str, str, str], tuple[int, str]]:
-    """(S in bytes, an op_name) per (tag, pass, dtype) of the instruction's elements."""
+) -> dict[tuple[str, str, str, int | None], tuple[int, str]]:
+    """(S in bytes, an op_name) per (tag, pass, dtype, chunk) of the instruction's elements."""
     own = _op_name(ins.attrs)
     elements = _buffer_elements(ins, kind, shapes)
     combined = _split_combined(own, len(elements))
-    parts: dict[tuple[str, str, str], tuple[int, str]] = {}
+    parts: dict[tuple[str, str, str, int | None], tuple[int, str]] = {}
     for index, element in enumerate(elements):
         arrays = _arrays(element)
         if not arrays:
@@ -317,7 +321,8 @@ def _parts(
         tag = next((t for t in TAGS if t in name), "")
         pass_ = "backward" if "transpose(" in name else "forward"
         size = sum(b for _, b in arrays) * (group if kind == "reduce-scatter" else 1)
-        key = (tag, pass_, arrays[0][0])
+        chunk = _CHUNK.search(name)
+        key = (tag, pass_, arrays[0][0], int(chunk["c"]) if chunk else None)
         before, first_name = parts.get(key, (0, name))
         parts[key] = (before + size, first_name)
     return parts
