@@ -1,0 +1,33 @@
+"""`bench/gpu_overlap.py --small`, the GPU schedule check's CPU dry run, runs end to end
+and finds every chunk's exchanges in the compiled program."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def test_gpu_overlap_dry_run():
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    done = subprocess.run(
+        [sys.executable, "gpu_overlap.py", "--small"],
+        cwd=BENCH,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["ok"] and report["runs_on"] == "cpu"
+    for experts in ("ep_ag", "ep_a2a"):
+        one = report["schedule"][f"{experts}/C1"]["exchanges_per_chunk"]
+        for chunks in (2, 4):
+            counts = report["schedule"][f"{experts}/C{chunks}"]["exchanges_per_chunk"]
+            assert counts == {str(c): one["-"] for c in range(chunks)}
+    assert set(report["pieces"]) == {"C2", "C4"}
