@@ -1,4 +1,5 @@
-"""notebooks/quickstart.ipynb is committed clean and runs top to bottom.
+"""The notebooks are committed clean and run top to bottom: quickstart.ipynb trains and
+samples; overlap.ipynb reads the chunked exchange out of compiled programs.
 
 The execution test starts a real Jupyter kernel with nbclient. The kernel is pinned to the
 interpreter running the tests (a `python3` kernelspec written into a temporary JUPYTER_PATH),
@@ -18,6 +19,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "quickstart.ipynb"
+OVERLAP = ROOT / "notebooks" / "overlap.ipynb"
 RESULT_MARKER = "NOTEBOOK_RESULT "
 
 # Appended to the in-memory copy only: reports what the notebook computed.
@@ -34,8 +36,9 @@ print({RESULT_MARKER!r} + _json.dumps({{
 """
 
 
-def test_committed_notebook_has_no_outputs():
-    nb = nbformat.read(NOTEBOOK, as_version=4)
+@pytest.mark.parametrize("path", [NOTEBOOK, OVERLAP], ids=lambda p: p.name)
+def test_committed_notebook_has_no_outputs(path):
+    nb = nbformat.read(path, as_version=4)
     nbformat.validate(nb)
     code_cells = [c for c in nb.cells if c.cell_type == "code"]
     assert code_cells
@@ -59,8 +62,10 @@ def _python3_kernelspec(tmp_path: pathlib.Path) -> pathlib.Path:
     return data_dir
 
 
-@pytest.mark.slow
-def test_quickstart_notebook_executes(tmp_path, monkeypatch):
+def _execute(path: pathlib.Path, report_cell: str, tmp_path, monkeypatch):
+    """The notebook with `report_cell` appended, run in a real kernel as a newcomer would
+    (the single real CPU device, not the 8 forced host devices of tests/conftest.py):
+    the executed notebook and what the report cell printed."""
     from jupyter_client.kernelspec import KernelSpecManager
     from nbclient import NotebookClient
 
@@ -68,10 +73,8 @@ def test_quickstart_notebook_executes(tmp_path, monkeypatch):
     resolved = KernelSpecManager().get_kernel_spec("python3")
     assert resolved.argv[0] == sys.executable, resolved.argv
 
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    nb.cells.append(nbformat.v4.new_code_cell(_REPORT_CELL))
-    # The kernel runs as a newcomer's would: the single real CPU device, not the 8 forced
-    # host devices of tests/conftest.py; IPython's profile goes to the temporary directory.
+    nb = nbformat.read(path, as_version=4)
+    nb.cells.append(nbformat.v4.new_code_cell(report_cell))
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(JAX_PLATFORMS="cpu", IPYTHONDIR=str(tmp_path / "ipython"))
     client = NotebookClient(
@@ -82,8 +85,7 @@ def test_quickstart_notebook_executes(tmp_path, monkeypatch):
     )
     start = time.perf_counter()
     client.execute(env=env)  # raises CellExecutionError on the first failing cell
-    print(f"quickstart notebook executed in {time.perf_counter() - start:.1f} s")
-
+    print(f"{path.name} executed in {time.perf_counter() - start:.1f} s")
     errors = [
         (i, out.get("ename"), out.get("evalue"))
         for i, cell in enumerate(nb.cells)
@@ -92,12 +94,25 @@ def test_quickstart_notebook_executes(tmp_path, monkeypatch):
         if out.output_type == "error"
     ]
     assert not errors, errors
-
     report = "".join(
         out.get("text", "") for out in nb.cells[-1].outputs if out.output_type == "stream"
     )
     assert RESULT_MARKER in report, report
-    result = json.loads(report.split(RESULT_MARKER, 1)[1])
+    return nb, json.loads(report.split(RESULT_MARKER, 1)[1])
+
+
+def _images(nb) -> int:
+    return sum(
+        "image/png" in out.get("data", {})
+        for cell in nb.cells
+        if cell.cell_type == "code"
+        for out in cell.outputs
+    )
+
+
+@pytest.mark.slow
+def test_quickstart_notebook_executes(tmp_path, monkeypatch):
+    nb, result = _execute(NOTEBOOK, _REPORT_CELL, tmp_path, monkeypatch)
     print(json.dumps(result, indent=1))
 
     assert result["executable"] == sys.executable
@@ -109,11 +124,25 @@ def test_quickstart_notebook_executes(tmp_path, monkeypatch):
     assert all(text.startswith("def ") for text in texts), texts
     assert any(len(text) > len("def ") for text in texts), texts
 
-    # The plots rendered inline as images.
-    images = sum(
-        "image/png" in out.get("data", {})
-        for cell in nb.cells
-        if cell.cell_type == "code"
-        for out in cell.outputs
-    )
-    assert images >= 2, images
+    assert _images(nb) >= 2  # the plots rendered inline as images
+
+
+_OVERLAP_REPORT = f"""
+import json as _json
+print({RESULT_MARKER!r} + _json.dumps({{
+    "bytes": {{f"{{e}}/{{c}}": sum(x.total for x in rows) for (e, c), rows in exchanges.items()}},
+    "chunks": {{f"{{e}}/{{c}}": sorted({{-1 if x.chunk is None else x.chunk for x in rows}})
+               for (e, c), rows in exchanges.items()}},
+    "step_s": {{name: cost.step_s for name, cost in predicted.items()}},
+}}))
+"""
+
+
+def test_overlap_notebook_executes(tmp_path, monkeypatch):
+    nb, result = _execute(OVERLAP, _OVERLAP_REPORT, tmp_path, monkeypatch)
+    for experts in ("ep_ag", "ep_a2a"):
+        assert result["bytes"][f"{experts}/4"] == result["bytes"][f"{experts}/1"]
+        assert result["chunks"][f"{experts}/4"] == [0, 1, 2, 3]
+    step = result["step_s"]
+    assert step["none"] == step["chunked C=1"] > step["chunked C=2"] > step["chunked C=4"]
+    assert _images(nb) == 2
