@@ -150,7 +150,8 @@ class ParallelConfig:
     # vocabulary-parallel cross-entropy (Megatron-LM's).
     vocab_parallel: bool = False
     # Expert blocks run as this many independent chunks of each device's tokens (along
-    # the sequence), so one chunk's exchanges can overlap another's expert compute.
+    # the sequence), so one chunk's exchanges can overlap another's expert compute; sp's
+    # attention blocks likewise, in chunks of the batch.
     overlap_chunks: int = 1
 
 

@@ -115,7 +115,8 @@ MEANINGS: dict[str, str] = {
     "parallel.overlap_chunks": (
         "C: each expert block runs as C independent chunks of every device's tokens (split "
         "along the sequence), each exchanging, computing and combining on its own, so one "
-        "chunk's exchanges can overlap another's expert compute; drops are decided per chunk"
+        "chunk's exchanges can overlap another's expert compute (drops are decided per chunk); "
+        "under `sp` the attention blocks run in C chunks of the batch the same way"
     ),
     "parallel.ag_threshold": "`auto` picks `ep_ag` when `moe.top_k / parallel.intra` exceeds this",
     "parallel.intra": "n: devices of one intra-node group (experts and sequence split over it)",

@@ -283,6 +283,18 @@ CASES = [
         "'selective'",
     ),
     _c(
+        "overlap_chunks_do_not_divide",
+        "train",
+        [*TINY, WORKDIR, "--config.parallel.overlap_chunks=3"],
+        "parallel.overlap_chunks=3 must divide the 32 positions",
+    ),
+    _c(
+        "overlap_chunks_zero",
+        "train",
+        [*TINY, WORKDIR, "--config.parallel.overlap_chunks=0"],
+        "parallel.overlap_chunks=0 is invalid",
+    ),
+    _c(
         "batch_size_zero",
         "train",
         [*TINY, WORKDIR, "--config.train.batch_size=0"],

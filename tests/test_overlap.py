@@ -1,6 +1,6 @@
-"""Chunked token exchange (`parallel.overlap_chunks`): the same numbers as one chunk,
-and in the compiled program C exchanges of 1/C the size, with no chunk's expert GEMM
-waiting for a later chunk's exchange."""
+"""Chunked token exchange (`parallel.overlap_chunks`; expert blocks, and sp's attention
+over its batch): the same numbers as one chunk, and in the compiled program C exchanges
+of 1/C the size, with no chunk's GEMM waiting for a later chunk's exchange."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from moe_jax.moe.block import CHUNK
+from moe_jax.parallel.layout import CHUNK
 from tests.layouts import assert_trees_close, planned, with_plan
 from tests.test_parallel import _exchanges
 
@@ -40,24 +40,32 @@ def test_chunks_give_the_numbers_of_one(attention, experts, data, intra, chunks)
     assert_trees_close(jax.device_get(got.state.params), jax.device_get(want.state.params), 1e-6)
 
 
-def _by_pass(hlo: str) -> dict[tuple[str, str], list[int]]:
-    """Sizes of the expert block's token exchanges by (kind, pass), one per execution."""
+def _by_pass(hlo: str, block: str = "moe") -> dict[tuple[str, str], list[int]]:
+    """Sizes of a block's token exchanges by (kind, pass), one per execution."""
     found: dict[tuple[str, str], list[int]] = {}
-    for kind, collectives in _exchanges(hlo, "moe").items():
+    for kind, collectives in _exchanges(hlo, block).items():
         for c in collectives:
             found.setdefault((kind, c.pass_), []).extend([c.bytes] * c.count)
     return found
 
 
 @pytest.mark.parametrize("chunks", [2, 4])
-@pytest.mark.parametrize("experts,intra", [("ep_ag", 4), ("ep_a2a", 8)])
-def test_each_exchange_runs_once_per_chunk_at_a_chunks_size(experts, intra, chunks):
-    one = with_plan("dp", 8 // intra, intra, experts)
-    want, got = _by_pass(planned(one).hlo), _by_pass(planned(_chunked(one, chunks)).hlo)
+@pytest.mark.parametrize(
+    "attention,experts,intra,block,kinds",
+    [
+        ("dp", "ep_ag", 4, "moe", {"all-gather", "reduce-scatter"}),
+        ("dp", "ep_a2a", 8, "moe", {"all-to-all"}),
+        ("sp", "ep_ag", 4, "attention", {"all-to-all"}),  # Ulysses, chunked over the batch
+    ],
+)
+def test_each_exchange_runs_once_per_chunk_at_a_chunks_size(
+    attention, experts, intra, block, kinds, chunks
+):
+    one = with_plan(attention, 8 // intra, intra, experts)
+    want = _by_pass(planned(one).hlo, block)
+    got = _by_pass(planned(_chunked(one, chunks)).hlo, block)
     assert set(got) == set(want)
-    assert {kind for kind, _ in want} == (
-        {"all-gather", "reduce-scatter"} if experts == "ep_ag" else {"all-to-all"}
-    )
+    assert {kind for kind, _ in want} == kinds
     for key, sizes in want.items():
         assert len(got[key]) == chunks * len(sizes), key  # forward and backward alike
         assert sorted(got[key]) == sorted(s // chunks for s in sizes for _ in range(chunks)), key
@@ -65,11 +73,24 @@ def test_each_exchange_runs_once_per_chunk_at_a_chunks_size(experts, intra, chun
 
 _LINE = re.compile(r"^\s+(?:ROOT\s+)?%(?P<name>[^\s=]+)\s*=\s*(?P<rest>.*)$")
 _OPCODE = re.compile(r"^(?:\([^=]*?\)|\S+)\s+(?P<opcode>[a-z][a-z0-9\-]*)\(")
-_CHUNK = re.compile(rf'op_name="[^"]*/{CHUNK}(?P<c>\d+)/')
+_OP_NAME = re.compile(r'op_name="(?P<name>[^"]*)"')
+_CHUNK = re.compile(rf"/{CHUNK}(?P<c>\d+)/")
 
 
-def _computations(hlo: str) -> dict[str, dict[str, tuple[str, set[str], int | None]]]:
-    """Per computation: instruction -> (opcode, operands named in it, chunk or None)."""
+def _chunk(rest: str) -> tuple[str, bool, int] | None:
+    """(block kind, backward?, chunk) of an instruction of a chunked block, else None:
+    chunks compare within one block and pass (the expert block chunks the sequence and
+    sp's attention the batch, so a backward chunk of one needs every chunk of the other)."""
+    name = _OP_NAME.search(rest)
+    chunk = _CHUNK.search(name["name"]) if name else None
+    if chunk is None:
+        return None
+    block = "moe" if "/moe/" in name["name"] else "attention"
+    return block, "transpose(" in name["name"], int(chunk["c"])
+
+
+def _computations(hlo: str) -> dict[str, dict[str, tuple[str, set[str], tuple | None]]]:
+    """Per computation: instruction -> (opcode, operands named in it, `_chunk` or None)."""
     found, current = {}, None
     for line in hlo.splitlines():
         if line.rstrip().endswith("{") and not line.startswith(" "):
@@ -80,20 +101,21 @@ def _computations(hlo: str) -> dict[str, dict[str, tuple[str, set[str], int | No
         if match and current is not None:
             rest = match["rest"]
             opcode = _OPCODE.match(rest)
-            chunk = _CHUNK.search(rest)
             operands = set(re.findall(r"%([\w.\-]+)", rest.split(", metadata=")[0]))
             found[current][match["name"]] = (
                 opcode["opcode"] if opcode else "",
                 operands,
-                int(chunk["c"]) if chunk else None,
+                _chunk(rest),
             )
     return found
 
 
-def test_no_chunk_waits_for_a_later_chunks_exchange():
-    """Def-use walk over the compiled program: the operands of each chunk's expert GEMMs
-    (dots, or fusions that hold one) reach only exchanges of that chunk or earlier."""
-    hlo = planned(_chunked(with_plan("dp", 2, 4, "ep_ag"), 4)).hlo
+@pytest.mark.parametrize("attention,experts", [("dp", "ep_ag"), ("sp", "ep_a2a")])
+def test_no_chunk_waits_for_a_later_chunks_exchange(attention, experts):
+    """Def-use walk over the compiled program: the operands of each chunk's GEMMs (dots,
+    or fusions that hold one; the expert block's, and sp's attention's) reach only
+    exchanges of that chunk or earlier."""
+    hlo = planned(_chunked(with_plan(attention, 2, 4, experts), 4)).hlo
     computations = _computations(hlo)
     with_dot = {
         name
@@ -114,8 +136,9 @@ def test_no_chunk_waits_for_a_later_chunks_exchange():
                     continue
                 seen.add(other)
                 op, more, its_chunk = body[other]
-                if any(op.startswith(kind) for kind in collectives) and its_chunk is not None:
-                    assert its_chunk <= chunk, f"{name} (chunk {chunk}) waits for {other}"
+                collective = any(op.startswith(kind) for kind in collectives)
+                if collective and its_chunk is not None and its_chunk[:2] == chunk[:2]:
+                    assert its_chunk[2] <= chunk[2], f"{name} {chunk} waits for {other}"
                     own += its_chunk == chunk
                 todo.extend(more)
             checked += 1

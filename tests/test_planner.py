@@ -57,27 +57,39 @@ def test_overlap_hides_what_compute_covers():
     assert cost_model.exposed(3.0, 1.0, 4) == pytest.approx(2.25)
 
 
-def _expert_exchange(chunks: int, eff: cost_model.Efficiency):
-    plan = Plan("sp", "ep_a2a", 8, 8, 1, micro_batch=1, overlap_chunks=chunks)
+def _exchange(kind: str, attention: str, chunks: int, eff: cost_model.Efficiency):
+    plan = Plan(attention, "ep_a2a", 8, 8, 1, micro_batch=4, overlap_chunks=chunks)
     cost = cost_model.step_cost(load("mixtral_8x7b"), plan, H800, 64, eff)
-    shown = cost.breakdown["expert_exchange"]
-    return shown, shown + cost.hidden.get("expert_exchange", 0.0), cost
+    shown = cost.breakdown[kind]
+    return shown, shown + cost.hidden.get(kind, 0.0)
 
 
 @pytest.mark.parametrize("chunks", [2, 4])
-def test_chunks_hide_what_the_structure_says(chunks: int):
-    """C chunks of the expert block (`parallel.overlap_chunks`) expose 1/C of its
-    exchange when its compute is longer (slow expert GEMMs make sure of it), pay C
-    times the latency, and leave attention exchanges exposed."""
-    slow = cost_model.Efficiency(grouped_gemm=0.01)
-    one_shown, one_total, one = _expert_exchange(1, slow)
-    shown, total, cost = _expert_exchange(chunks, slow)
+@pytest.mark.parametrize(
+    "kind,attention,slow",
+    [
+        ("expert_exchange", "sp", {"grouped_gemm": 0.01}),  # the expert block's GEMMs
+        ("attention_exchange", "sp", {"gemm": 0.01, "attention": 0.01}),  # sp's block
+    ],
+)
+def test_chunks_hide_what_the_structure_says(kind, attention, slow, chunks: int):
+    """C chunks of a block (`parallel.overlap_chunks`: every expert block, and sp's
+    attention over its batch) expose 1/C of its exchange when its compute is longer
+    (slow GEMMs make sure of it), and pay C times the latency terms."""
+    slow = cost_model.Efficiency(**slow)
+    one_shown, one_total = _exchange(kind, attention, 1, slow)
+    shown, total = _exchange(kind, attention, chunks, slow)
     assert one_shown == pytest.approx(one_total)  # one chunk: nothing hidden
     assert shown == pytest.approx(total / chunks)
     assert total > one_total  # C times the collectives' latency terms
-    assert cost.breakdown["attention_exchange"] == one.breakdown["attention_exchange"]
-    shown, total, _ = _expert_exchange(chunks, cost_model.Efficiency())
-    assert total / chunks <= shown < total  # with real GEMMs, at most (C-1)/C hides
+    shown, total = _exchange(kind, attention, chunks, cost_model.Efficiency())
+    assert total / chunks * (1 - 1e-9) <= shown < total  # at most (C-1)/C ever hides
+
+
+def test_tensor_parallel_exchanges_stay_exposed_when_chunked():
+    """tp's all-gathers and reduce-scatters are not chunked: all of them stay exposed."""
+    shown, total = _exchange("attention_exchange", "tp", 4, cost_model.Efficiency())
+    assert shown == pytest.approx(total) and shown > 0
 
 
 def test_the_trainer_is_never_planned_an_overlap_it_cannot_run():

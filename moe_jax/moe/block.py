@@ -21,9 +21,7 @@ from moe_jax.model.layers import MLP
 from moe_jax.moe import experts, losses
 from moe_jax.moe.dispatcher import TokenDispatcher
 from moe_jax.moe.routing import route
-from moe_jax.parallel.layout import SINGLE_DEVICE, Layout
-
-CHUNK = "chunk"  # name scope of chunk c: f"{CHUNK}{c}"
+from moe_jax.parallel.layout import CHUNK, SINGLE_DEVICE, Layout
 
 
 class RouterBias(nnx.Variable):

@@ -33,6 +33,8 @@ ALL = (DATA, *INTRA)
 # statistics combined across devices, and the vocabulary-parallel loss's gathers and
 # reductions. Other collectives serve parameters.
 TOKEN_EXCHANGE, ROUTER_STATS, LOSS_EXCHANGE = "token_exchange", "router_stats", "loss_exchange"
+# Chunk c of a block run in `parallel.overlap_chunks` pieces is under scope f"{CHUNK}{c}".
+CHUNK = "chunk"
 
 
 def local_attention_block(layout: Layout, block, x, positions, weights, axes, attend):

@@ -117,6 +117,13 @@ def problems(config, num_devices: int, platform: str) -> list[str]:
             f"divisible by the parallel.intra={p.intra} devices parallel.attention="
             f"{attention.name!r} splits the sequence over"
         )
+    sequences = t.batch_size // max(1, batch_split * t.grad_accum)  # a device's micro-batch
+    if attention.chunks_batch and p.overlap_chunks > 1 and sequences % p.overlap_chunks:
+        found.append(
+            f"parallel.overlap_chunks={p.overlap_chunks} must divide the {sequences} sequences "
+            f"of each device's micro-batch: parallel.attention={attention.name!r} runs its "
+            "chunks over the batch"
+        )
     held = t.seq_len // (p.intra if attention.seq_axes else 1)  # positions a device holds
     if held % p.overlap_chunks:
         found.append(

@@ -80,6 +80,9 @@ class AttentionSpec:
     gathers_sequence: bool = False
     # Which blocks run inside `shard_map` (their gradients are reduced there, not by
     # GSPMD).
+    # `parallel.overlap_chunks` > 1 runs the attention block as that many independent
+    # chunks of the batch (each projecting, exchanging and attending on its own).
+    chunks_batch: bool = False
     attention_in_shard_map: bool = True
     mlp_in_shard_map: bool = True
     attention_bytes: Bytes = _none  # token exchange of one attention block

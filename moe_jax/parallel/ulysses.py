@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from moe_jax.model import remat
 from moe_jax.parallel import checks
-from moe_jax.parallel.layout import DATA, INTRA, TOKEN_EXCHANGE, local_mlp
+from moe_jax.parallel.layout import CHUNK, DATA, INTRA, TOKEN_EXCHANGE, local_mlp
 from moe_jax.parallel.spec import AttentionSpec, Sizes
 
 
@@ -50,6 +50,18 @@ def ulysses_attention(layout, block, x, positions, weights, axes, attend):
 
     def body(x, positions, weights):
         return block(x, positions, weights, exchange_and_attend)
+
+    chunks = layout.overlap_chunks
+    if chunks > 1:  # independent sequences: chunk c+1's exchange beside chunk c's work
+        one = body
+
+        def body(x, positions, weights):
+            outs = []
+            pieces = zip(jnp.split(x, chunks), jnp.split(positions, chunks), strict=True)
+            for c, (part, where) in enumerate(pieces):
+                with jax.named_scope(f"{CHUNK}{c}"):
+                    outs.append(one(part, where, weights))
+            return jnp.concatenate(outs)
 
     spec = layout.activation_spec()
     in_specs = (spec, P(*spec[:2]), layout.weight_specs(axes))
@@ -87,6 +99,7 @@ SP = AttentionSpec(
     seq_axes=INTRA,
     problems=_problems,
     heads_split=True,
+    chunks_batch=True,
     mlp_in_shard_map=False,
     attention_bytes=exchanged_bytes,
     paper_bytes=paper_bytes,

@@ -23,7 +23,8 @@ Model, per device and per micro-batch of the slowest pipeline stage:
     `parallel.overlap_chunks` = C (`Plan.overlap_chunks`): the expert block's
     tokens run as C independent chunks, so its exchanges are pipelined with its
     GEMMs, exposing max(0, comm - compute) + min(comm, compute) / C and paying
-    C times the latency terms; attention exchanges stay exposed. The paper's
+    C times the latency terms; so are `sp`'s attention all-to-alls (its blocks run
+    in C chunks of the batch), while tp's exchanges and the head's stay exposed. The paper's
     own system ("megascale", `PAPER_OVERLAP`, read by `moe_jax.plan.paper_table`
     only, never offered to the trainer) pipelines every block's exchange over
     `Efficiency.overlap_chunks` chunks and fuses the row gather and scatter into
@@ -242,6 +243,7 @@ class _Exchange:
     group: int
     count: int  # collectives per pass (latency terms)
     link: Link
+    chunks: int = 1  # pieces it is pipelined over with its block's compute (1: exposed)
 
     @property
     def seconds(self) -> float:
@@ -387,13 +389,15 @@ class CostModel:
         p, m, spec = self.plan, self.config.model, self.attention_spec
         out = []
         if spec.exchanges:
+            chunks = self.chunks(spec.chunks_batch)
             out.append(
                 _Exchange(
                     "attention_exchange",
                     self.activation.attention,
                     p.intra,
-                    spec.exchanges,
+                    spec.exchanges * chunks,
                     self.intra,
+                    chunks,
                 )
             )
         if spec.weights_over == DATA:
@@ -415,8 +419,12 @@ class CostModel:
 
     def moe_exchanges(self) -> list[_Exchange]:
         p, m, e = self.plan, self.config.model, self.config.moe
-        count = 2 * (1 if p.overlap == PAPER_OVERLAP else self.chunks("expert_exchange"))
-        out = [_Exchange("expert_exchange", self.activation.experts, p.intra, count, self.intra)]
+        chunks = self.chunks(True)  # every expert layout runs chunked
+        out = [
+            _Exchange(
+                "expert_exchange", self.activation.experts, p.intra, 2 * chunks, self.intra, chunks
+            )
+        ]
         if p.expert_fsdp:  # this device's experts (its 1/n of the group's) from 'data'
             out.append(
                 self._weight_gather(3 * m.embed_dim * e.expert_mlp_dim * e.num_experts // p.intra)
@@ -440,19 +448,17 @@ class CostModel:
         tally = Tally(compute=compute)
         for x in exchanges:
             comm = x.seconds
-            shown = exposed(comm, partner, self.chunks(x.kind))
+            chunks = self.eff.overlap_chunks if self.plan.overlap == PAPER_OVERLAP else x.chunks
+            shown = exposed(comm, partner, chunks)
             partner = max(0.0, partner - (comm - shown))
             tally.add(Tally(exposed={x.kind: shown}, hidden={x.kind: comm - shown}))
         tally.backward = tally.seconds if backward else 0.0
         return tally
 
-    def chunks(self, kind: str) -> int:
-        """Pieces an exchange of `kind` is pipelined over (1: exposed)."""
-        if self.plan.overlap == PAPER_OVERLAP:
-            return self.eff.overlap_chunks
-        if self.plan.overlap == "chunked" and kind == "expert_exchange":
-            return self.plan.overlap_chunks
-        return 1
+    def chunks(self, chunked: bool) -> int:
+        """The trainer's chunks of a block that runs chunked (`parallel.overlap_chunks`),
+        else 1; each chunk issues the block's collectives once."""
+        return self.plan.overlap_chunks if chunked and self.plan.overlap == "chunked" else 1
 
     @property
     def remat(self) -> str:
