@@ -130,6 +130,16 @@ def _check_own_config_json(workdir: Path) -> None:
         )
 
 
+def _os_error(error: OSError, workdir: Path) -> RunError:
+    """A failed write during the run as one line (what failed, where, and that the newest
+    complete checkpoint is intact)."""
+    where = error.filename or workdir
+    return RunError(
+        f"stopping: {error.strerror or error} ({where}); the newest complete checkpoint is "
+        "intact: fix this (free space) and run again to resume from it"
+    )
+
+
 def _check_not_all_damaged(checkpoints: Checkpointer) -> None:
     """Starting over in a workdir whose checkpoints were all damaged would mix two runs
     (and drop the first one's metrics): refused, every time, until the user chooses."""
@@ -196,6 +206,8 @@ def run(config: config_lib.Config, workdir: str | Path) -> dict[str, Any]:
         say(took_over)
     try:
         return _train(config, workdir, layout, graphdef, placed, checkpoints, train_batches)
+    except OSError as error:  # the disk filled, or a path vanished, while the run wrote
+        raise _os_error(error, workdir) from None
     finally:
         lock.release()
 
@@ -336,11 +348,16 @@ def _train(config, workdir: Path, layout, graphdef, placed, checkpoints, train_b
             if tc.steps > start:
                 save(tc.steps)
     finally:
-        logger.close()
-        try:
-            checkpoints.close()  # waits for the last save
-        except ValueError as error:
-            raise RunError(str(error)) from None
+        problems = []
+        for close in (checkpoints.close, logger.close):  # the first waits for the last save
+            try:
+                close()
+            except ValueError as error:
+                problems.append(RunError(str(error)))
+            except OSError as error:  # a full disk while the metrics are flushed
+                problems.append(_os_error(error, workdir))
+        if problems:
+            raise problems[0] from None
     if process == 0:
         pictures = plot_run(workdir)
         print(f"outputs in {workdir}: metrics.jsonl, tb/, checkpoints/, config.json, ", end="")
