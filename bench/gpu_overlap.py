@@ -37,16 +37,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from timing import median_seconds  # noqa: E402
 
+from moe_jax.tools import hlo_collectives  # noqa: E402
+
 DEVICES = 8
-_LINE = re.compile(r"^\s+(?:ROOT\s+)?%(?P<name>[^\s=]+)\s*=\s*(?P<rest>.*)$")
-_START = re.compile(r"\s(?P<kind>[a-z\-]+)-start\(|\sasync-start\(")
-_DONE = re.compile(r"\s(?:[a-z\-]+-done|async-done)\((?P<operand>[^)]*)\)")
-_GEMM = re.compile(r"custom_call_target=\"[^\"]*(gemm|matmul)[^\"]*\"|\sdot\(|triton_gemm")
-_CHUNK = re.compile(r"/chunk(?P<c>\d+)/")
-_NAME = re.compile(r'op_name="(?P<name>[^"]*)"')
-_COLLECTIVE = re.compile(
-    r"\s(all-gather|all-to-all|reduce-scatter|all-reduce|collective-permute)(-start)?\("
-)
+COLLECTIVES = ("all-gather", "all-to-all", "reduce-scatter", "all-reduce", "collective-permute")
+_GEMM_CALL = re.compile(r'custom_call_target="[^"]*(gemm|matmul)|triton_gemm')
 
 
 def mock_devices() -> str:
@@ -97,27 +92,33 @@ def step_program(experts: str, chunks: int) -> str:
 def schedule(hlo: str) -> dict:
     """The expert block's asynchronous collectives with the GEMMs scheduled inside each
     start/done pair, and its token exchanges per chunk (synchronous ones included)."""
+    program = hlo_collectives.instructions(hlo)
+    with_dot = {ins.computation for ins in program if ins.opcode == "dot"}
+
+    def is_gemm(ins: hlo_collectives.Instruction) -> bool:
+        fused = ins.opcode == "fusion" and bool(ins.called & with_dot)
+        return ins.opcode == "dot" or fused or bool(_GEMM_CALL.search(ins.attrs))
+
+    bodies: dict[str, list[hlo_collectives.Instruction]] = {}
+    for ins in program:  # in program order: the schedule, once XLA has scheduled it
+        bodies.setdefault(ins.computation, []).append(ins)
     pairs, exchanges = [], {}
-    for computation in hlo.split("\n\n"):
-        lines = [m for m in map(_LINE.match, computation.splitlines()) if m]
+    for body in bodies.values():
         opened: dict[str, tuple[str, str, int]] = {}
-        for position, match in enumerate(lines):
-            rest, name = match["rest"], _NAME.search(match["rest"])
-            op_name = name["name"] if name else ""
-            exchange = "/moe/" in op_name and "token_exchange" in op_name
-            if exchange and (_COLLECTIVE.search(rest) or _START.search(rest)):
-                chunk = _CHUNK.search(op_name)
-                key = chunk["c"] if chunk else "-"
-                exchanges[key] = exchanges.get(key, 0) + 1
-            start = _START.search(rest)
-            if start and "/moe/" in op_name:
-                opened[match["name"]] = (start["kind"] or "async", op_name, position)
-            done = _DONE.search(rest)
-            if done and done["operand"].strip().lstrip("%") in opened:
-                kind, op_name, begin = opened.pop(done["operand"].strip().lstrip("%"))
-                inside = sum(bool(_GEMM.search(m["rest"])) for m in lines[begin + 1 : position])
-                chunk = _CHUNK.search(op_name)
-                pairs.append({"kind": kind, "chunk": chunk["c"] if chunk else "-", "gemms": inside})
+        for position, ins in enumerate(body):
+            chunk = "-" if ins.chunk is None else str(ins.chunk)
+            in_moe = "/moe/" in ins.op_name
+            kind = ins.opcode.removesuffix("-start")
+            starts = ins.opcode.endswith("-start")
+            if in_moe and "token_exchange" in ins.op_name and (kind in COLLECTIVES or starts):
+                exchanges[chunk] = exchanges.get(chunk, 0) + 1
+            if in_moe and starts:
+                opened[ins.name] = (kind, chunk, position)
+            started = ins.operands & set(opened) if ins.opcode.endswith("-done") else set()
+            for name in started:
+                kind, chunk, begin = opened.pop(name)
+                inside = sum(map(is_gemm, body[begin + 1 : position]))
+                pairs.append({"kind": kind, "chunk": chunk, "gemms": inside})
     return {"exchanges_per_chunk": exchanges, "async_pairs": pairs}
 
 

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from moe_jax.parallel.layout import CHUNK
+from moe_jax.tools import hlo_collectives
 from tests.layouts import assert_trees_close, planned, with_plan
 from tests.test_parallel import _exchanges
 
@@ -71,43 +71,14 @@ def test_each_exchange_runs_once_per_chunk_at_a_chunks_size(
         assert sorted(got[key]) == sorted(s // chunks for s in sizes for _ in range(chunks)), key
 
 
-_LINE = re.compile(r"^\s+(?:ROOT\s+)?%(?P<name>[^\s=]+)\s*=\s*(?P<rest>.*)$")
-_OPCODE = re.compile(r"^(?:\([^=]*?\)|\S+)\s+(?P<opcode>[a-z][a-z0-9\-]*)\(")
-_OP_NAME = re.compile(r'op_name="(?P<name>[^"]*)"')
-_CHUNK = re.compile(rf"/{CHUNK}(?P<c>\d+)/")
-
-
-def _chunk(rest: str) -> tuple[str, bool, int] | None:
+def _chunk(ins: hlo_collectives.Instruction) -> tuple[str, bool, int] | None:
     """(block kind, backward?, chunk) of an instruction of a chunked block, else None:
     chunks compare within one block and pass (the expert block chunks the sequence and
     sp's attention the batch, so a backward chunk of one needs every chunk of the other)."""
-    name = _OP_NAME.search(rest)
-    chunk = _CHUNK.search(name["name"]) if name else None
-    if chunk is None:
+    if ins.chunk is None:
         return None
-    block = "moe" if "/moe/" in name["name"] else "attention"
-    return block, "transpose(" in name["name"], int(chunk["c"])
-
-
-def _computations(hlo: str) -> dict[str, dict[str, tuple[str, set[str], tuple | None]]]:
-    """Per computation: instruction -> (opcode, operands named in it, `_chunk` or None)."""
-    found, current = {}, None
-    for line in hlo.splitlines():
-        if line.rstrip().endswith("{") and not line.startswith(" "):
-            current = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
-            found[current] = {}
-            continue
-        match = _LINE.match(line)
-        if match and current is not None:
-            rest = match["rest"]
-            opcode = _OPCODE.match(rest)
-            operands = set(re.findall(r"%([\w.\-]+)", rest.split(", metadata=")[0]))
-            found[current][match["name"]] = (
-                opcode["opcode"] if opcode else "",
-                operands,
-                _chunk(rest),
-            )
-    return found
+    block = "moe" if "/moe/" in ins.op_name else "attention"
+    return block, "transpose(" in ins.op_name, ins.chunk
 
 
 @pytest.mark.parametrize("attention,experts", [("dp", "ep_ag"), ("sp", "ep_a2a")])
@@ -116,31 +87,31 @@ def test_no_chunk_waits_for_a_later_chunks_exchange(attention, experts):
     or fusions that hold one; the expert block's, and sp's attention's) reach only
     exchanges of that chunk or earlier."""
     hlo = planned(_chunked(with_plan(attention, 2, 4, experts), 4)).hlo
-    computations = _computations(hlo)
-    with_dot = {
-        name
-        for name, body in computations.items()
-        if any(op == "dot" for op, _, _ in body.values())
-    }
+    program = hlo_collectives.instructions(hlo)
+    with_dot = {ins.computation for ins in program if ins.opcode == "dot"}
+    bodies: dict[str, dict[str, hlo_collectives.Instruction]] = {}
+    for ins in program:
+        bodies.setdefault(ins.computation, {})[ins.name] = ins
     collectives = ("all-gather", "reduce-scatter", "all-to-all", "all-reduce")
     checked, own = 0, 0  # GEMMs walked; those that reach their own chunk's exchange
-    for body in computations.values():
-        for name, (opcode, operands, chunk) in body.items():
-            is_gemm = opcode == "dot" or (opcode == "fusion" and operands & with_dot)
+    for body in bodies.values():
+        for gemm in body.values():
+            is_gemm = gemm.opcode == "dot" or (gemm.opcode == "fusion" and gemm.called & with_dot)
+            chunk = _chunk(gemm)
             if chunk is None or not is_gemm:
                 continue
-            seen, todo = set(), list(operands)
+            seen, todo = set(), list(gemm.operands)
             while todo:
                 other = todo.pop()
                 if other in seen or other not in body:
                     continue
                 seen.add(other)
-                op, more, its_chunk = body[other]
-                collective = any(op.startswith(kind) for kind in collectives)
+                its_chunk = _chunk(body[other])
+                collective = body[other].opcode.startswith(collectives)
                 if collective and its_chunk is not None and its_chunk[:2] == chunk[:2]:
-                    assert its_chunk[2] <= chunk[2], f"{name} {chunk} waits for {other}"
+                    assert its_chunk[2] <= chunk[2], f"{gemm.name} {chunk} waits for {other}"
                     own += its_chunk == chunk
-                todo.extend(more)
+                todo.extend(body[other].operands)
             checked += 1
     assert checked >= 4 and own > 0  # the walk found GEMMs and the exchanges they wait for
 
@@ -149,7 +120,7 @@ def test_no_chunk_waits_for_a_later_chunks_exchange(attention, experts):
 def test_comm_report_shows_the_chunks_with_the_bytes_of_one(experts, intra):
     """The report labels each exchange by its chunk, and the chunks together move the
     bytes of the unchunked block (within 1%)."""
-    from moe_jax.tools import comm_report, hlo_collectives
+    from moe_jax.tools import comm_report
 
     one = planned(with_plan("dp", 8 // intra, intra, experts))
     four = planned(_chunked(one.config, 4))

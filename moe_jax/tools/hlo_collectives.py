@@ -113,12 +113,41 @@ class Collective:
 
 
 @dataclasses.dataclass
-class _Instruction:
+class Instruction:
+    """One HLO instruction, as written in the program text (in program order)."""
+
     name: str
     computation: str
     shape: str
     opcode: str
-    attrs: str
+    attrs: str  # everything after `opcode(`: the operands, then the attributes
+
+    @property
+    def operands(self) -> set[str]:
+        """Names of the instructions it reads."""
+        return set(re.findall(r"%([\w.\-]+)", self.attrs[: _closing("(" + self.attrs, 0)]))
+
+    @property
+    def called(self) -> set[str]:
+        """Names of the computations it calls (a fusion's body, a loop's, ...)."""
+        return {name for _, name in _called(self.attrs)}
+
+    @property
+    def op_name(self) -> str:
+        """The JAX op_name of its metadata (named scopes, `transpose(` in the backward)."""
+        match = _OP_NAME.search(self.attrs)
+        return match["name"] if match else ""
+
+    @property
+    def chunk(self) -> int | None:
+        """The `parallel.overlap_chunks` chunk it belongs to, if any."""
+        return chunk_of(self.op_name)
+
+
+def chunk_of(op_name: str) -> int | None:
+    """The chunk an op_name's scope names (`.../chunk<c>/...`), or None."""
+    match = _CHUNK.search(op_name)
+    return int(match["c"]) if match else None
 
 
 def parse(hlo_text: str) -> list[Collective]:
@@ -178,7 +207,12 @@ def _module_devices(text: str) -> int:
     return sizes.get("num_partitions", 1) * sizes.get("replica_count", 1)
 
 
-def _instructions(text: str) -> tuple[list[_Instruction], str]:
+def instructions(text: str) -> list[Instruction]:
+    """Every instruction of the program, each with its computation's name, in order."""
+    return _instructions(text)[0]
+
+
+def _instructions(text: str) -> tuple[list[Instruction], str]:
     """All instructions, each with its computation's name, and the entry computation."""
     instructions, computation, entry = [], "", ""
     for line in text.splitlines():
@@ -195,7 +229,7 @@ def _instructions(text: str) -> tuple[list[_Instruction], str]:
         if opcode:
             attrs = rest[opcode.end() :]
             instructions.append(
-                _Instruction(match["name"], computation, shape, opcode["opcode"], attrs)
+                Instruction(match["name"], computation, shape, opcode["opcode"], attrs)
             )
     if not entry:
         raise ValueError("no ENTRY computation in the HLO text")
@@ -286,7 +320,7 @@ def _group_size(kind: str, attrs: str, devices: int) -> int:
     return devices  # no groups, or `{}`: every device
 
 
-def _buffer_elements(ins: _Instruction, kind: str, shapes: dict[str, str]) -> list[str]:
+def _buffer_elements(ins: Instruction, kind: str, shapes: dict[str, str]) -> list[str]:
     """Shapes whose bytes are S, one per tuple element that has its own origin."""
     if kind == "ragged-all-to-all":  # result = the receive buffer; S is the input, operand 0
         first = re.match(r"\s*%([^\s,)]+)", ins.attrs)
@@ -302,14 +336,14 @@ def _buffer_elements(ins: _Instruction, kind: str, shapes: dict[str, str]) -> li
 
 
 def _parts(
-    ins: _Instruction,
+    ins: Instruction,
     kind: str,
     group: int,
     element_names: dict[tuple[str, int], str],
     shapes: dict[str, str],
 ) -> dict[tuple[str, str, str, int | None], tuple[int, str]]:
     """(S in bytes, an op_name) per (tag, pass, dtype, chunk) of the instruction's elements."""
-    own = _op_name(ins.attrs)
+    own = ins.op_name
     elements = _buffer_elements(ins, kind, shapes)
     combined = _split_combined(own, len(elements))
     parts: dict[tuple[str, str, str, int | None], tuple[int, str]] = {}
@@ -321,8 +355,7 @@ def _parts(
         tag = next((t for t in TAGS if t in name), "")
         pass_ = "backward" if "transpose(" in name else "forward"
         size = sum(b for _, b in arrays) * (group if kind == "reduce-scatter" else 1)
-        chunk = _CHUNK.search(name)
-        key = (tag, pass_, arrays[0][0], int(chunk["c"]) if chunk else None)
+        key = (tag, pass_, arrays[0][0], chunk_of(name))
         before, first_name = parts.get(key, (0, name))
         parts[key] = (before + size, first_name)
     return parts
@@ -333,11 +366,6 @@ def _sent(kind: str, size: int, group: int) -> int:
         return size
     share = Fraction(size * (group - 1), group)
     return round(2 * share if kind == "all-reduce" else share)
-
-
-def _op_name(attrs: str) -> str:
-    match = _OP_NAME.search(attrs)
-    return match["name"] if match else ""
 
 
 def _split_combined(op_name: str, elements: int) -> list[str] | None:
@@ -364,20 +392,20 @@ def _split_combined(op_name: str, elements: int) -> list[str] | None:
     return [op_name[:start] + n for n in names] if len(names) == elements else None
 
 
-def _element_op_names(instructions: list[_Instruction]) -> dict[tuple[str, int], str]:
+def _element_op_names(instructions: list[Instruction]) -> dict[tuple[str, int], str]:
     """op_name of each tuple element, from the get-tuple-element that reads it."""
     names = {}
     for ins in instructions:
         if ins.opcode != "get-tuple-element":
             continue
         gte = _GTE.match(ins.attrs)
-        name = _op_name(ins.attrs)
+        name = ins.op_name
         if gte and name:
             names[(gte["source"], int(gte["index"]))] = name
     return names
 
 
-def _counts(instructions: list[_Instruction], entry: str) -> dict[str, tuple[int, bool]]:
+def _counts(instructions: list[Instruction], entry: str) -> dict[str, tuple[int, bool]]:
     """Executions per step of each computation reachable from the entry, and whether
     every loop on the way had a known trip count."""
     callers: dict[str, list[tuple[str, int, bool]]] = collections.defaultdict(list)
