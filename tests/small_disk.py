@@ -26,3 +26,12 @@ def small_disk(path: Path, size: str = "1m", read_only: bool = False):
         yield path
     finally:
         subprocess.run(["umount", "--lazy", str(path)], capture_output=True, timeout=30)
+
+
+def shrink_to_fit(path: Path, spare: int) -> None:
+    """Shrink the file system mounted on `path` to what it holds now plus `spare` bytes, so
+    a test can fill it at a chosen write whatever size the earlier writes came to."""
+    used = sum(f.stat().st_blocks * 512 for f in path.rglob("*") if f.is_file())
+    size = f"size={(used + spare) // 1024 + 1}k"
+    remount = ["mount", "-o", f"remount,{size}", str(path)]
+    subprocess.run(remount, capture_output=True, text=True, timeout=30, check=True)

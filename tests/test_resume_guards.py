@@ -130,20 +130,23 @@ def test_a_disk_filling_during_the_run_stops_before_the_next_save(tmp_path, monk
 
 
 def test_a_checkpoint_write_that_fills_the_disk_is_one_line(tmp_path, monkeypatch):
-    """A real full disk (a 1.4 MB file system: one checkpoint fits, the second does not)
-    inside orbax's asynchronous write: one line naming the step and the directory (or,
-    when the metrics file meets the full disk first, the error and the workdir); the
+    """A real full disk inside orbax's asynchronous write: the run checkpoints step 2, the
+    file system is shrunk to what it then holds plus 200 KB (a checkpoint is about 1.1 MB),
+    and the resumed run meets the full disk at step 4. One line naming the step and the
+    directory (or, when the metrics file meets the full disk first, the error); the
     partial write is not a step, and the previous checkpoint stays the newest. The free
     space reported to the pre-checks is inflated, as when another writer races the save."""
     import collections
 
     from moe_jax import checkpoint
-    from tests.small_disk import small_disk
+    from tests.small_disk import shrink_to_fit, small_disk
 
     usage = collections.namedtuple("usage", "total used free")
-    with small_disk(tmp_path / "disk", "1400k") as disk:
-        monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda p: usage(10**12, 0, 10**12))
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda p: usage(10**12, 0, 10**12))
+    with small_disk(tmp_path / "disk", "16m") as disk:
         run = disk / "run"
+        trainer.run(tiny_config(steps=2, eval_every=0, checkpoint_every=2), run)
+        shrink_to_fit(disk, 200_000)
         with pytest.raises(trainer.RunError) as error:
             trainer.run(tiny_config(steps=6, eval_every=0, checkpoint_every=2), run)
         message = str(error.value)
