@@ -153,6 +153,10 @@ class ParallelConfig:
     # the sequence), so one chunk's exchanges can overlap another's expert compute; sp's
     # attention blocks likewise, in chunks of the batch.
     overlap_chunks: int = 1
+    # Collective matmul: the exchanges of tp blocks, sp attention and the all-gather
+    # expert layouts as n-1 point-to-point steps, each overlapping the GEMM on the block
+    # at hand.
+    collective_matmul: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -118,6 +118,13 @@ MEANINGS: dict[str, str] = {
         "chunk's exchanges can overlap another's expert compute (drops are decided per chunk); "
         "under `sp` the attention blocks run in C chunks of the batch the same way"
     ),
+    "parallel.collective_matmul": (
+        "collective matmul: `tp`'s all-gather + GEMM and GEMM + reduce-scatter, `sp`'s "
+        "all-to-all + QKV and output GEMMs, and the all-gather expert layouts (`ep_ag`, `etp`, "
+        "`ep_etp`) run as n-1 point-to-point steps (`collective-permute`), each overlapping the "
+        "GEMM on the block at hand; the all-gather expert layouts need dropless routing "
+        "(`moe.capacity_factor=0`)"
+    ),
     "parallel.ag_threshold": "`auto` picks `ep_ag` when `moe.top_k / parallel.intra` exceeds this",
     "parallel.intra": "n: devices of one intra-node group (experts and sequence split over it)",
     "parallel.data": "data-parallel groups; `0` uses every device not taken by `intra`",

@@ -50,7 +50,8 @@ def summary(config: Config) -> tuple[memory.Memory, float, list[str]]:
     lines = [
         f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}; plan: attention="
         f"{p.attention} experts={p.experts} n={p.intra} data={p.data} zero={p.zero} "
-        f"expert_fsdp={p.expert_fsdp} overlap_chunks={p.overlap_chunks}",
+        f"expert_fsdp={p.expert_fsdp} overlap_chunks={p.overlap_chunks} "
+        f"collective_matmul={p.collective_matmul}",
         f"parameters: {total / 1e6:,.1f}M, {active / 1e6:,.1f}M active per token",
         f"memory per device (predicted): {need.total / GB:.2f} GB ({_parts(need)}) of "
         f"{limit / GB:.2f} GB ({source})",

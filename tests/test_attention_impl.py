@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding
 from moe_jax.config import Config, ModelConfig
 from moe_jax.kernels import blockwise_attention
 from moe_jax.kernels.attention import attention_fn, resolve_impl
-from moe_jax.model.attention import AXES, AttentionWeights, attention_block
+from moe_jax.model.attention import AXES, AttentionBlock, AttentionWeights
 from moe_jax.parallel import mesh as mesh_lib
 from moe_jax.parallel.layout import SINGLE_DEVICE
 from moe_jax.plan import memory
@@ -106,7 +106,7 @@ def _attention_temp_bytes(attention: str, impl: str, s: int) -> int:
     )
     x = abstract((1, s, m.embed_dim), spec)
     positions = abstract((1, s), jax.sharding.PartitionSpec(*spec[:2]), jnp.int32)
-    block = functools.partial(attention_block, theta=m.rope_theta)
+    block = AttentionBlock(m.rope_theta)
     attend = attention_fn(impl, "float32")
 
     def loss(x, positions, weights):

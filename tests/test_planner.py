@@ -17,6 +17,7 @@ import pytest
 
 from moe_jax import config as config_lib
 from moe_jax.config import Config
+from moe_jax.parallel import registry
 from moe_jax.plan import cost_model, hardware, paper_table, planner
 from moe_jax.plan.cost_model import Link, Plan
 
@@ -100,7 +101,77 @@ def test_the_trainer_is_never_planned_an_overlap_it_cannot_run():
     )
     settings = planner.choose_plan(config, 1)
     assert settings["overlap_chunks"] in (1, 2)
-    assert set(cost_model.OVERLAPS) == {"none", "chunked"}  # no mode the trainer lacks
+    assert not settings["collective_matmul"]  # one device: no ring
+    # no mode the trainer lacks
+    assert set(cost_model.OVERLAPS) == {"none", "chunked", "collective_matmul", "both"}
+
+
+def _ring_exchange(kind, attention, experts, ring, eff, chunks=1):
+    plan = Plan(attention, experts, 8, 8, 1, micro_batch=4, overlap_chunks=chunks)
+    plan = dataclasses.replace(plan, collective_matmul=ring)
+    cost = cost_model.step_cost(load("mixtral_8x7b"), plan, H800, 64, eff)
+    return cost.breakdown[kind], cost.breakdown[kind] + cost.hidden.get(kind, 0.0)
+
+
+@pytest.mark.parametrize(
+    "kind,attention,experts",
+    [
+        ("attention_exchange", "tp", "ep_a2a"),  # tp's all-gather + GEMM, GEMM + reduce-scatter
+        ("attention_exchange", "sp", "ep_a2a"),  # sp's all-to-all + GEMM pairs
+        ("expert_exchange", "dp", "ep_ag"),  # the all-gather expert ring
+    ],
+)
+def test_a_ring_hides_all_but_one_step(kind, attention, experts):
+    """With GEMMs longer than the exchange, a collective matmul over n=8 exposes one of
+    its n-1 = 7 steps (per direction), with the latency terms of the ring collectives it
+    replaces; inside C=2 chunks, one of 2·7."""
+    slow = cost_model.Efficiency(gemm=0.01, grouped_gemm=0.01)
+    plain_shown, plain_total = _ring_exchange(kind, attention, experts, False, slow)
+    shown, total = _ring_exchange(kind, attention, experts, True, slow)
+    assert total == pytest.approx(plain_total)
+    if attention == "tp":
+        assert plain_shown == pytest.approx(plain_total)  # tp is otherwise never hidden
+    assert shown == pytest.approx(total / 7)
+    shown, total = _ring_exchange(kind, attention, experts, True, slow, chunks=2)
+    if kind == "expert_exchange" or attention == "sp":  # blocks that run chunked
+        assert shown == pytest.approx(total / 14)
+
+
+def test_a_ring_hides_behind_its_gemms_only():
+    """tp's rings are cut into the projections' GEMMs: with an exchange longer than them
+    (a slow link), a slower attention core hides nothing more of it, while the chunked
+    sp exchange hides behind the whole block, its core included."""
+    fast = cost_model.Efficiency(nvlink=0.01)
+    slow_core = cost_model.Efficiency(nvlink=0.01, attention=0.001)
+    ring = [
+        _ring_exchange("attention_exchange", "tp", "ep_a2a", True, e)[0] for e in (fast, slow_core)
+    ]
+    assert ring[0] == pytest.approx(ring[1]) and ring[0] > 0
+    chunked = [
+        _ring_exchange("attention_exchange", "sp", "ep_a2a", False, e, chunks=4)[0]
+        for e in (fast, slow_core)
+    ]
+    assert chunked[1] < chunked[0]
+
+
+def test_plans_ring_only_what_the_trainer_can_ring():
+    """Every plan searched with collective matmul has a layout with a ring form, never
+    over one device, and never the all-gather expert ring with capacity drops."""
+    config = load("mixtral_8x7b")
+    capacity = dataclasses.replace(config, moe=dataclasses.replace(config.moe, capacity_factor=1.0))
+    for cfg in (config, capacity):
+        ringed = [
+            p for p in planner.plans(cfg, 64, H800, 64, pp=1, micro_batch=1) if p.collective_matmul
+        ]
+        assert ringed
+        for p in ringed:
+            assert p.intra > 1
+            has_ring = registry.ATTENTION[p.attention].ring
+            expert_ring = registry.EXPERTS[p.experts].ring_dispatcher is not None
+            assert has_ring or expert_ring, p
+            if cfg is capacity:
+                assert not expert_ring, p
+            assert p.overlap == cost_model.overlap_name(p.overlap_chunks, True)
 
 
 def test_compute_comm_ratio():
@@ -205,7 +276,7 @@ def test_mixtral_on_one_node_chooses_expert_parallelism():
 def test_choose_plan_returns_trainer_settings():
     choice = planner.choose_plan(load("mixtral_tiny"), 8, "h800")
     settings = {"attention", "experts", "intra", "data", "zero", "etp", "expert_fsdp"}
-    assert set(choice) == settings | {"overlap_chunks"}
+    assert set(choice) == settings | {"overlap_chunks", "collective_matmul"}
     assert choice["intra"] * choice["data"] == 8
     parallel = dataclasses.replace(load("mixtral_tiny").parallel, **choice)
     config_lib.validate(dataclasses.replace(load("mixtral_tiny"), parallel=parallel))

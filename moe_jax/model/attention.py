@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -34,20 +33,38 @@ AXES = AttentionWeights(
 )
 
 
-def attention_block(
-    x: jax.Array, positions: jax.Array, w: AttentionWeights, attend: Attend, *, theta: float
-) -> jax.Array:
+@dataclasses.dataclass(frozen=True)
+class AttentionBlock:
     """Project, rotate, `attend` ([b, s, heads, head_dim] q/k/v -> like q), project out.
 
-    Works on whatever heads `w` holds, so a layout can hand it a head shard. Weights
-    arrive as stored (float32) and are cast here, inside the layout, so that their
-    gradients are reduced in float32.
+    Calling it runs the whole block; a layout that overlaps its exchanges with the
+    projections (`parallel.collective_matmul`) runs the stages apart, on blocks of
+    tokens or of heads. Every stage works on whatever heads `w` holds, so a layout can
+    hand it a head shard. Weights arrive as stored (float32) and are cast where they
+    meet `x`, inside the layout, so that their gradients are reduced in float32.
     """
-    w = cast_like(w, x)
-    q = rotary(jnp.einsum("bsd,dhk->bshk", x, w.query), positions, theta)
-    k = rotary(jnp.einsum("bsd,dhk->bshk", x, w.key), positions, theta)
-    v = jnp.einsum("bsd,dhk->bshk", x, w.value)
-    return jnp.einsum("bshk,hkd->bsd", attend(q, k, v), w.out)
+
+    theta: float
+
+    def project(self, x: jax.Array, w: AttentionWeights) -> tuple[jax.Array, ...]:
+        """q, k, v of the tokens of `x` (per token, so any block of tokens at a time)."""
+        w = cast_like(w, x)
+        return tuple(jnp.einsum("bsd,dhk->bshk", x, p) for p in (w.query, w.key, w.value))
+
+    def rotate(self, q: jax.Array, k: jax.Array, positions: jax.Array) -> tuple[jax.Array, ...]:
+        return rotary(q, positions, self.theta), rotary(k, positions, self.theta)
+
+    def out(self, o: jax.Array, w: AttentionWeights) -> jax.Array:
+        """The output projection of the heads `w.out` holds (partial sums over heads)."""
+        return jnp.einsum("bshk,hkd->bsd", o, cast_like(w.out, o))
+
+    def __call__(
+        self, x: jax.Array, positions: jax.Array, w: AttentionWeights, attend: Attend
+    ) -> jax.Array:
+        w = cast_like(w, x)
+        q, k, v = self.project(x, w)
+        q, k = self.rotate(q, k, positions)
+        return self.out(attend(q, k, v), w)
 
 
 class Attention(nnx.Module):
@@ -66,7 +83,7 @@ class Attention(nnx.Module):
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         params = (self.query, self.key, self.value, self.out)
         w = AttentionWeights(*(p[...] for p in params))
-        block = partial(attention_block, theta=self.rope_theta)
+        block = AttentionBlock(self.rope_theta)
         # Chosen when traced, for the backend it is traced for (a config for another
         # platform can still be built and planned here).
         core = attention_fn(self.attention_impl, self.dtype)

@@ -87,17 +87,20 @@ def moe_forward(
 
 def _chunk(x, params: MoEParams, cfg: MoEConfig, dispatcher: TokenDispatcher):
     """(y, router statistics, the rows dispatch delivered) for the tokens of `x`."""
-    group = dispatcher.gather(x)
-    batch, seq, dim = group.shape
-    tokens = group.reshape(batch * seq, dim)
-    routing = route(tokens, params.router, params.bias, cfg)
-    sent = dispatcher.dispatch(tokens, routing)
-    rows = remat.tag(sent.rows, remat.EXPERT_ROWS)
-    out = experts.compute(rows, sent.routing, params.experts, dispatcher.compute_cfg, sent.slots)
-    y = dispatcher.combine(out, sent).reshape(group.shape)
-    delivered = dispatcher.delivered(routing, sent)
-    stats = dispatcher.reduce(losses.router_stats(delivered, batch))
-    return dispatcher.scatter(y), stats, sent.rows
+
+    def routed(group: jax.Array):
+        batch, seq, dim = group.shape
+        tokens = group.reshape(batch * seq, dim)
+        routing = route(tokens, params.router, params.bias, cfg)
+        sent = dispatcher.dispatch(tokens, routing)
+        rows = remat.tag(sent.rows, remat.EXPERT_ROWS)
+        cfg_here = dispatcher.compute_cfg
+        out = experts.compute(rows, sent.routing, params.experts, cfg_here, sent.slots)
+        y = dispatcher.combine(out, sent).reshape(group.shape)
+        stats = losses.router_stats(dispatcher.delivered(routing, sent), batch)
+        return y, stats, sent.rows
+
+    return dispatcher.run(routed, x)
 
 
 class MoE(nnx.Module):

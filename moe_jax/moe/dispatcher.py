@@ -9,6 +9,10 @@ Every expert layout runs the same MoE forward (`moe_jax.moe.block.moe_forward`):
     y       = scatter(combine(out, sent))    rows back to their tokens, weighted and summed
     stats   = reduce(router statistics)      equal to one device's over the whole batch
 
+(`run` wires gather, the routed middle, scatter and reduce; a dispatcher that pipelines
+its exchange with the compute, as the ring of `parallel.collective_matmul`, runs the
+middle on one block of tokens at a time instead.)
+
 so routing, router statistics, drop accounting and the combine are written once, and a
 layout is a dispatcher (Megatron-Core's token dispatchers are the model). This base
 class is the single-device dispatcher: all experts are here and nothing moves.
@@ -19,6 +23,7 @@ compressed, fused) are new dispatchers, not copies of the forward.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -55,6 +60,13 @@ class TokenDispatcher:
     def compute_cfg(self) -> MoEConfig:
         """The config of the local expert compute (its `num_experts` are the local ones)."""
         return self.cfg
+
+    def run(self, routed: Callable, x: jax.Array) -> tuple[jax.Array, RouterStats, jax.Array]:
+        """`routed(tokens [b', s', d]) -> (partial y, statistics, rows)` on the tokens to
+        route, and back: (y like `x`, the whole batch's statistics, the rows). A
+        dispatcher that pipelines its exchange with the compute runs `routed` on blocks."""
+        y, stats, rows = routed(self.gather(x))
+        return self.scatter(y), self.reduce(stats), rows
 
     def gather(self, x: jax.Array) -> jax.Array:
         """[b, s, d] as the attention layout left it -> the tokens to route, [b', s', d]."""

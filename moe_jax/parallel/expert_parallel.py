@@ -42,8 +42,9 @@ from jax.sharding import PartitionSpec as P
 from moe_jax.moe import dispatch as dsp
 from moe_jax.moe import experts as expert_impls
 from moe_jax.moe.dispatcher import Dispatched, TokenDispatcher
-from moe_jax.moe.losses import RouterStats
+from moe_jax.moe.losses import RouterStats, merge_chunks
 from moe_jax.moe.routing import Routing, restrict
+from moe_jax.parallel import collective_matmul as cm
 from moe_jax.parallel.fsdp import gather_weights
 from moe_jax.parallel.layout import DATA, EXPERT, INTRA, ROUTER_STATS, TOKEN_EXCHANGE
 from moe_jax.parallel.spec import ExpertSpec, Sizes
@@ -72,7 +73,9 @@ def run_block(layout, body, x: jax.Array, params):
 
 def exchange_block(layout, forward, x: jax.Array, params, cfg):
     """The MoE forward with the layout's dispatcher, per device inside one `shard_map`."""
-    dispatcher = layout.expert_spec.dispatcher(cfg, layout)
+    spec = layout.expert_spec
+    ring = layout.collective_matmul and spec.ring_dispatcher is not None
+    dispatcher = (spec.ring_dispatcher if ring else spec.dispatcher)(cfg, layout)
     chunks = layout.overlap_chunks
 
     def body(x, params):
@@ -110,6 +113,31 @@ class AllGatherDispatcher(TokenDispatcher):
         with jax.named_scope(ROUTER_STATS):
             # Every intra device routed the same (gathered) tokens: they are copies.
             return stats.combine(batch_axes=(DATA,), copy_axes=INTRA)
+
+
+class RingDispatcher(AllGatherDispatcher):
+    """The all-gather form as the paper's ring (`parallel.collective_matmul`): at step i
+    each device routes and runs its experts on the tokens of source (me - i) mod n while
+    the next source's tokens travel, and each source's partial output joins a travelling
+    accumulator that ends on the source (GEMM + reduce-scatter). Routing is per token, so
+    each step's rows are one source's, contiguous inside each expert; the drops of
+    capacity mode are decided over the whole group and are not defined per step."""
+
+    def __init__(self, cfg, layout):
+        super().__init__(cfg, layout)
+        self.n = layout.size(INTRA)
+
+    def run(self, routed, x):
+        steps = cm.ring_gather(routed, x, self.n)
+        y = cm.ring_reduce_scatter(lambda j: steps[j][0], self.n)
+        stats = merge_chunks([s for _, s, _ in steps])
+        if self.axis == 0:  # the steps held different sequences: theirs, in source order
+            sources = cm.ring_sources(self.n)
+            place = lambda name: cm.place([getattr(s, name) for _, s, _ in steps], sources, 0)
+            stats = dataclasses.replace(
+                stats, seq_fraction=place("seq_fraction"), seq_prob=place("seq_prob")
+            )
+        return y, self.reduce(stats), steps[-1][2]
 
 
 def exchange(rows: jax.Array) -> jax.Array:
@@ -245,6 +273,7 @@ EP_AG = ExpertSpec(
     name="ep_ag",
     block=exchange_block,
     dispatcher=AllGatherDispatcher,
+    ring_dispatcher=RingDispatcher,
     gathers_tokens=True,
     token_bytes=gathered_bytes,
     paper_bytes=gathered_bytes,

@@ -35,6 +35,8 @@ ALL = (DATA, *INTRA)
 TOKEN_EXCHANGE, ROUTER_STATS, LOSS_EXCHANGE = "token_exchange", "router_stats", "loss_exchange"
 # Chunk c of a block run in `parallel.overlap_chunks` pieces is under scope f"{CHUNK}{c}".
 CHUNK = "chunk"
+# Step i of a collective matmul's ring (`parallel.collective_matmul`) is under f"{RING}{i}".
+RING = "ring"
 
 
 def local_attention_block(layout: Layout, block, x, positions, weights, axes, attend):
@@ -83,6 +85,9 @@ class Layout:
     a2a_buffer_factor: float = 0.0
     # parallel.overlap_chunks: independent chunks of each expert block's tokens.
     overlap_chunks: int = 1
+    # parallel.collective_matmul: exchanges cut into n-1 point-to-point steps, each
+    # overlapping the GEMM on the block at hand (`moe_jax.parallel.collective_matmul`).
+    collective_matmul: bool = False
 
     # Each block kind runs under a name scope of its own, so the compiled
     # program says which block a collective belongs to.

@@ -45,6 +45,7 @@ def make_layout(config: Config, mesh: Mesh) -> Layout:
         param_rules=registry.param_rules(config),
         a2a_buffer_factor=config.parallel.a2a_buffer_factor,
         overlap_chunks=config.parallel.overlap_chunks,
+        collective_matmul=config.parallel.collective_matmul,
         vocab_spec=registry.vocab_spec(config),
     )
 

@@ -130,6 +130,21 @@ def problems(config, num_devices: int, platform: str) -> list[str]:
             f"parallel.overlap_chunks={p.overlap_chunks} must divide the {held} positions of "
             f"each sequence a device holds under parallel.attention={attention.name!r}"
         )
+    if p.collective_matmul and not attention.ring and experts.ring_dispatcher is None:
+        with_ring = [a for a, s in ATTENTION.items() if s.ring]
+        with_ring += [x for x, s in EXPERTS.items() if s.ring_dispatcher]
+        found.append(
+            f"parallel.collective_matmul=True has no exchange to rewrite under "
+            f"parallel.attention={attention.name!r} and parallel.experts={experts.name!r}; "
+            f"layouts with a ring form: {', '.join(with_ring)}"
+        )
+    if p.collective_matmul and experts.ring_dispatcher is not None and not e.dropless:
+        found.append(
+            f"parallel.collective_matmul=True runs parallel.experts={experts.name!r} as a ring "
+            f"that routes one source's tokens per step, so moe.capacity_factor="
+            f"{e.capacity_factor} cannot decide drops over the whole group; use "
+            "moe.capacity_factor=0 (dropless) or parallel.collective_matmul=False"
+        )
     found += attention_impls.problems(config.model.attention_impl, config.model.dtype, platform)
     if config.model.remat == "offload" and platform != "gpu":
         found.append(

@@ -78,11 +78,14 @@ class AttentionSpec:
     # Projections run on the group's whole sequence: gathered before each block and
     # reduce-scattered after it (attention and dense MLPs alike).
     gathers_sequence: bool = False
-    # Which blocks run inside `shard_map` (their gradients are reduced there, not by
-    # GSPMD).
     # `parallel.overlap_chunks` > 1 runs the attention block as that many independent
     # chunks of the batch (each projecting, exchanging and attending on its own).
     chunks_batch: bool = False
+    # `parallel.collective_matmul` runs its exchanges as rings of point-to-point steps,
+    # each beside the GEMM on the block at hand (else the setting leaves it alone).
+    ring: bool = False
+    # Which blocks run inside `shard_map` (their gradients are reduced there, not by
+    # GSPMD).
     attention_in_shard_map: bool = True
     mlp_in_shard_map: bool = True
     attention_bytes: Bytes = _none  # token exchange of one attention block
@@ -104,6 +107,8 @@ class ExpertSpec:
     name: str
     block: Callable  # (layout, forward, x, params, cfg) -> (y, stats)
     dispatcher: Callable | None = None  # (layout, cfg) -> TokenDispatcher
+    # The dispatcher `parallel.collective_matmul` runs instead (None: it has no ring form).
+    ring_dispatcher: Callable | None = None
     # ParallelConfig -> (expert, tensor) sizes of the intra group.
     split: Callable[[Any], tuple[int, int]] = lambda parallel: (parallel.intra, 1)
     problems: Problems = _no_problems

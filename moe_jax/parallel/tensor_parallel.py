@@ -20,7 +20,9 @@ from fractions import Fraction
 import jax
 from jax.sharding import PartitionSpec as P
 
+from moe_jax.model.layers import cast_like
 from moe_jax.parallel import checks
+from moe_jax.parallel import collective_matmul as cm
 from moe_jax.parallel.layout import DATA, INTRA, TOKEN_EXCHANGE
 from moe_jax.parallel.spec import AttentionSpec, Sizes
 
@@ -50,8 +52,18 @@ def tp_attention(layout, block, x, positions, weights, axes, attend):
     def body(x, positions, weights):
         if whole_kv:
             weights = _my_kv_head(weights, n)
-        out = block(_gather_sequence(x), positions, weights, attend)
-        return _sum_and_scatter_sequence(out)
+        if not layout.collective_matmul:
+            out = block(_gather_sequence(x), positions, weights, attend)
+            return _sum_and_scatter_sequence(out)
+        # The QKV GEMM on each source's block while the next travels, then the output
+        # GEMM of each target's block while the previous partial sum travels.
+        weights = cast_like(weights, x)
+        parts = cm.ring_gather(lambda x: block.project(x, weights), x, n)
+        q, k, v = (cm.place(list(p), cm.ring_sources(n), axis=1) for p in zip(*parts, strict=True))
+        q, k = block.rotate(q, k, positions)
+        o = attend(q, k, v)
+        out = lambda j: block.out(cm.block_of(o, (cm.me() - j) % n, n, axis=1), weights)
+        return cm.ring_reduce_scatter(out, n)
 
     spec = layout.activation_spec()
     in_specs = (spec, P(spec[0], None), layout.weight_specs(axes))
@@ -61,8 +73,16 @@ def tp_attention(layout, block, x, positions, weights, axes, attend):
 
 
 def tp_mlp(layout, block, x, weights, axes):
+    n = layout.size(INTRA)
+
     def body(x, weights):
-        return _sum_and_scatter_sequence(block(_gather_sequence(x), weights))
+        if not layout.collective_matmul:
+            return _sum_and_scatter_sequence(block(_gather_sequence(x), weights))
+        # Per token end to end: each source's block runs the whole MLP on arrival, and
+        # its partial sums join the travelling accumulator of their target.
+        weights = cast_like(weights, x)
+        parts = cm.ring_gather(lambda x: block(x, weights), x, n)
+        return cm.ring_reduce_scatter(lambda j: parts[j], n)
 
     spec = layout.activation_spec()
     in_specs = (spec, layout.weight_specs(axes))
@@ -99,6 +119,7 @@ TP = AttentionSpec(
     problems=_problems,
     weights_over=INTRA,
     heads_split=True,
+    ring=True,
     gathers_sequence=True,
     attention_bytes=exchanged_bytes,
     mlp_bytes=exchanged_bytes,

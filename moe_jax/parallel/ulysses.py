@@ -15,6 +15,7 @@ kv part of the traffic is as large as with n kv heads.
 
 from __future__ import annotations
 
+import dataclasses
 from fractions import Fraction
 
 import jax
@@ -22,7 +23,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from moe_jax.model import remat
+from moe_jax.model.layers import cast_like
 from moe_jax.parallel import checks
+from moe_jax.parallel import collective_matmul as cm
 from moe_jax.parallel.layout import CHUNK, DATA, INTRA, TOKEN_EXCHANGE, local_mlp
 from moe_jax.parallel.spec import AttentionSpec, Sizes
 
@@ -33,6 +36,44 @@ def _seq_to_heads(x: jax.Array) -> jax.Array:
 
 def _heads_to_seq(x: jax.Array) -> jax.Array:
     return jax.lax.all_to_all(x, INTRA, split_axis=1, concat_axis=2, tiled=True)
+
+
+def _heads_for(weights, dest: jax.Array, n: int):
+    """The query heads of device `dest` and the kv heads they use (repeated kv heads
+    when there are fewer than n)."""
+    heads, kv = weights.query.shape[1], weights.key.shape[1]
+    take = lambda w, start, size: jax.lax.dynamic_slice_in_dim(w, start, size, axis=1)
+    per, kv_per = heads // n, max(1, kv // n)
+    kv_start = dest * kv_per if kv >= n else dest * kv // n
+    return dataclasses.replace(
+        weights,
+        query=take(weights.query, dest * per, per),
+        key=take(weights.key, kv_start, kv_per),
+        value=take(weights.value, kv_start, kv_per),
+    )
+
+
+def _pairwise_attention(block, x, positions, weights, attend, n: int):
+    """The block with each all-to-all as n-1 pairwise steps: device dest's QKV GEMM runs
+    while the previous device's block travels, and each arriving output block's GEMM
+    while the next one travels."""
+    weights = cast_like(weights, x)
+
+    def qkv_for(dest):  # one buffer per step: q, k and v side by side over heads
+        q, k, v = block.project(x, _heads_for(weights, dest, n))
+        return jnp.concatenate((*block.rotate(q, k, positions), v), axis=2)
+
+    got = cm.pairwise_all_to_all(qkv_for, n)
+    qkv = cm.place([b for _, b in got], [source for source, _ in got], axis=1)
+    per = weights.query.shape[1] // n
+    q, k, v = jnp.split(qkv, (per, per + (qkv.shape[2] - per) // 2), axis=2)
+    o = attend(q, k, v)
+    y = 0
+    for source, part in cm.pairwise_all_to_all(lambda dest: cm.block_of(o, dest, n, 1), n):
+        part = remat.tag(part, remat.ATTENTION_OUT)  # kept, not re-sent
+        out = jax.lax.dynamic_slice_in_dim(weights.out, source * per, per, axis=0)
+        y = y + block.out(part, dataclasses.replace(weights, out=out))
+    return y
 
 
 def ulysses_attention(layout, block, x, positions, weights, axes, attend):
@@ -49,6 +90,8 @@ def ulysses_attention(layout, block, x, positions, weights, axes, attend):
             return remat.tag(_heads_to_seq(o), remat.ATTENTION_OUT)  # kept, not re-sent
 
     def body(x, positions, weights):
+        if layout.collective_matmul:
+            return _pairwise_attention(block, x, positions, weights, attend, n)
         return block(x, positions, weights, exchange_and_attend)
 
     chunks = layout.overlap_chunks
@@ -100,6 +143,7 @@ SP = AttentionSpec(
     problems=_problems,
     heads_split=True,
     chunks_batch=True,
+    ring=True,
     mlp_in_shard_map=False,
     attention_bytes=exchanged_bytes,
     paper_bytes=paper_bytes,

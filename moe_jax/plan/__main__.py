@@ -1,5 +1,5 @@
 """`python -m moe_jax.plan --config=FILE --gpus=N [--gpu=h800] [--global-batch=B] [--pp=P]
-[--overlap=chunked|none] [--compare=megatron] [--top=K] [--json]`
+[--overlap=both|chunked|collective_matmul|none] [--compare=megatron] [--top=K] [--json]`
 
 Ranks every layout of the config that fits on N GPUs by predicted step time and
 explains the winner (compute, exposed communication per kind, bubble, memory).
@@ -37,9 +37,10 @@ def define_flags() -> None:
     flags.DEFINE_integer("pp", 0, "Pipeline stages (0: search them).", lower_bound=0)
     flags.DEFINE_enum(
         "overlap",
-        "chunked",
+        "both",
         cost_model.OVERLAPS,
-        "The trainer's overlap: chunked (parallel.overlap_chunks in 1, 2, 4, searched) or none.",
+        "The trainer's overlaps to search: chunked (parallel.overlap_chunks in 1, 2, 4), "
+        "collective_matmul (parallel.collective_matmul on and off), both, or none.",
     )
     flags.DEFINE_enum("compare", "", ["", "megatron"], "Baseline to print beside the plan.")
     flags.DEFINE_integer("top", 10, "Plans to list.", lower_bound=1)
@@ -63,6 +64,7 @@ def _row(tag: str, c: planner.Candidate) -> str:
     label = p.label + (f"/{p.etp}" if registry.EXPERTS[p.experts].uses_etp else "")
     label += "+fsdp" if p.expert_fsdp else ""
     label += f"+c{p.overlap_chunks}" if p.overlap_chunks > 1 else ""
+    label += "+cm" if p.collective_matmul else ""
     return (
         f"{tag:>3} {label:<26}{p.intra:>3}{p.pp:>4}{p.data:>6}{p.micro_batch:>4}"
         f"{cost.step_s * 1e3:>11.3f}{cost.tokens_per_sec:>13,.0f}{cost.mfu:>7.1%}"

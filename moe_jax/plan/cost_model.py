@@ -17,21 +17,29 @@ Model, per device and per micro-batch of the slowest pipeline stage:
   * communication: alpha-beta, (g-1) * alpha + bytes sent / achievable bandwidth,
     with the activation bytes of `moe_jax.plan.comm_volume`, inside the
     node over NVLink, across nodes over the per-GPU NIC.
-  * overlap (`Plan.overlap`), the trainer's modes one to one: "none" exposes
-    every exchange inside the step and runs the token permute and combine as
-    passes of their own, as Megatron-LM does; "chunked" is
-    `parallel.overlap_chunks` = C (`Plan.overlap_chunks`): the expert block's
-    tokens run as C independent chunks, so its exchanges are pipelined with its
-    GEMMs, exposing max(0, comm - compute) + min(comm, compute) / C and paying
-    C times the latency terms; so are `sp`'s attention all-to-alls (its blocks run
-    in C chunks of the batch), while tp's exchanges and the head's stay exposed. The paper's
-    own system ("megascale", `PAPER_OVERLAP`, read by `moe_jax.plan.paper_table`
-    only, never offered to the trainer) pipelines every block's exchange over
-    `Efficiency.overlap_chunks` chunks and fuses the row gather and scatter into
-    the grouped GEMM (its intra-operator fusion). All modes overlap the data-parallel gradient sync
-    (`param_traffic.hierarchical_sync_bytes`, float32, or halved with
-    `Plan.grad_dtype="bfloat16"`) with the last micro-batch's backward, except
-    the first layer's share (its gradients are ready last).
+  * overlap, the trainer's settings one to one (`Plan.overlap_chunks`,
+    `Plan.collective_matmul`; `Plan.overlap` names the pair, `overlap_name`). With
+    neither, every exchange inside the step is exposed and the token permute and
+    combine run as passes of their own, as Megatron-LM does.
+    `parallel.overlap_chunks` = C: the expert block's tokens run as C independent
+    chunks, so its exchanges are pipelined with the block's compute, exposing
+    max(0, comm - compute) + min(comm, compute) / C and paying C times the latency
+    terms; so are `sp`'s attention all-to-alls (its blocks run in C chunks of the
+    batch), while tp's exchanges and the head's stay exposed.
+    `parallel.collective_matmul`: the exchanges of the layouts with a ring form (tp's
+    blocks, sp's attention, the all-gather expert layouts) run as n-1 point-to-point
+    steps per direction, each beside the GEMM on the block at hand; modelled as a
+    pipeline of n-1 pieces (C(n-1) inside C chunks) against the block's GEMMs only (the
+    attention core needs every block first): one step of each direction stays exposed,
+    and the latency terms are the n-1 steps a ring collective pays anyway. Not modelled:
+    the SMs the transfers take from the GEMMs, and the GEMM efficiency lost to 1/n-size
+    pieces. The paper's own system ("megascale", `PAPER_OVERLAP`, read by
+    `moe_jax.plan.paper_table` only, never offered to the trainer) pipelines every
+    block's exchange over `Efficiency.overlap_chunks` chunks and fuses the row gather
+    and scatter into the grouped GEMM (its intra-operator fusion). All modes overlap
+    the data-parallel gradient sync (`param_traffic.hierarchical_sync_bytes`, float32,
+    or halved with `Plan.grad_dtype="bfloat16"`) with the last micro-batch's backward,
+    except the first layer's share (its gradients are ready last).
   * pipeline: 1F1B, step = (m + p - 1) * t_micro_batch, i.e. a bubble of
     (p-1)/(m+p-1); stage-to-stage activations are sent every micro-batch.
 
@@ -72,9 +80,31 @@ from moe_jax.parallel.layout import DATA, INTRA
 from moe_jax.plan import comm_volume
 from moe_jax.plan.hardware import GPU
 
-OVERLAPS = ("none", "chunked")  # what the trainer runs (parallel.overlap_chunks)
+# What the trainer runs: parallel.overlap_chunks C ("chunked"), parallel.collective_matmul
+# ("collective_matmul"), both, or neither. As a search (`moe_jax.plan.planner.plans`),
+# each names the (C, collective matmul) settings it tries, in `SEARCHES`.
+OVERLAPS = ("none", "chunked", "collective_matmul", "both")
 PAPER_OVERLAP = "megascale"  # the paper's system, for reproducing its table only
 CHUNK_CHOICES = (1, 2, 4)  # overlap_chunks the planner tries
+SEARCHES = {
+    "none": ((1, False),),
+    "chunked": tuple((c, False) for c in CHUNK_CHOICES),
+    "collective_matmul": ((1, False), (1, True)),
+    "both": tuple((c, ring) for c in CHUNK_CHOICES for ring in (False, True)),
+    PAPER_OVERLAP: ((1, False),),  # its own chunks (`Efficiency.overlap_chunks`)
+}
+
+
+def overlap_name(chunks: int, collective_matmul: bool, search: str = "") -> str:
+    """The mode of `OVERLAPS` that the settings (C, collective matmul) run (the paper's
+    system when that is the `search`)."""
+    if search == PAPER_OVERLAP:
+        return search
+    if chunks > 1:
+        return "both" if collective_matmul else "chunked"
+    return "collective_matmul" if collective_matmul else "none"
+
+
 GRAD_SYNCS = ("hierarchical", "per_micro_batch")
 REMATS = ("", "none", "selective", "offload", "full")
 ATTENTION_LAYOUTS = tuple(registry.ATTENTION)
@@ -112,8 +142,9 @@ class Plan:
     micro_batch: int = 1  # sequences per micro-batch of one data group
     zero: int = 0  # 1: optimizer state split over data
     etp: int = 2  # experts=ep_etp: devices splitting each expert's width
-    overlap: str = "chunked"
-    overlap_chunks: int = 1  # overlap="chunked": parallel.overlap_chunks (1: no overlap)
+    overlap: str = "none"  # `overlap_name` of the two settings below, or `PAPER_OVERLAP`
+    overlap_chunks: int = 1  # parallel.overlap_chunks (1: no chunks)
+    collective_matmul: bool = False  # parallel.collective_matmul
     grad_sync: str = "hierarchical"  # or "per_micro_batch" (the trainer as compiled today)
     remat: str = ""  # "full", "selective" or "none"; "" = the config's model.remat
     grad_dtype: str = "float32"  # of the data-parallel gradient exchange ("bfloat16": halved)
@@ -244,6 +275,13 @@ class _Exchange:
     count: int  # collectives per pass (latency terms)
     link: Link
     chunks: int = 1  # pieces it is pipelined over with its block's compute (1: exposed)
+    # Steps of each direction's ring (`parallel.collective_matmul`: n-1), each beside the
+    # GEMM on the block at hand; 0: not a ring.
+    ring: int = 0
+
+    @property
+    def pieces(self) -> int:
+        return self.chunks * max(1, self.ring)
 
     @property
     def seconds(self) -> float:
@@ -252,6 +290,7 @@ class _Exchange:
 
 BACKWARD = {"gemm": 2.0, "grouped_gemm": 2.0, "attention": 2.5, "memory": 2.0}
 COMPUTE_KINDS = ("gemm", "grouped_gemm", "attention")  # what exchanges can hide behind
+RING_PARTNERS = ("gemm", "grouped_gemm")  # what a collective matmul's steps hide behind
 
 
 class CostModel:
@@ -398,6 +437,7 @@ class CostModel:
                     spec.exchanges * chunks,
                     self.intra,
                     chunks,
+                    self.ring(spec.ring),
                 )
             )
         if spec.weights_over == DATA:
@@ -412,7 +452,12 @@ class CostModel:
         p, m, spec = self.plan, self.config.model, self.attention_spec
         out = []
         if self.mlp_activation:  # tp: all-gather in, reduce-scatter out, as attention
-            out.append(_Exchange("attention_exchange", self.mlp_activation, p.intra, 2, self.intra))
+            ring = self.ring(spec.ring)
+            out.append(
+                _Exchange(
+                    "attention_exchange", self.mlp_activation, p.intra, 2, self.intra, 1, ring
+                )
+            )
         if spec.weights_over == DATA:
             out.append(self._weight_gather(3 * m.embed_dim * m.mlp_dim))
         return out
@@ -420,10 +465,10 @@ class CostModel:
     def moe_exchanges(self) -> list[_Exchange]:
         p, m, e = self.plan, self.config.model, self.config.moe
         chunks = self.chunks(True)  # every expert layout runs chunked
+        ring = self.ring(self.expert_spec.ring_dispatcher is not None)
+        exchange = self.activation.experts
         out = [
-            _Exchange(
-                "expert_exchange", self.activation.experts, p.intra, 2 * chunks, self.intra, chunks
-            )
+            _Exchange("expert_exchange", exchange, p.intra, 2 * chunks, self.intra, chunks, ring)
         ]
         if p.expert_fsdp:  # this device's experts (its 1/n of the group's) from 'data'
             out.append(
@@ -445,12 +490,20 @@ class CostModel:
             seconds = self._time(op, backward) * (BACKWARD[op.kind] if backward else 1.0)
             compute[op.name] = compute.get(op.name, 0.0) + seconds
             partner += seconds if op.kind in COMPUTE_KINDS else 0.0
+        gemms = sum(
+            self._time(op, backward) * (BACKWARD[op.kind] if backward else 1.0)
+            for op in ops
+            if op.kind in RING_PARTNERS
+        )
         tally = Tally(compute=compute)
         for x in exchanges:
             comm = x.seconds
-            chunks = self.eff.overlap_chunks if self.plan.overlap == PAPER_OVERLAP else x.chunks
-            shown = exposed(comm, partner, chunks)
+            paper = self.plan.overlap == PAPER_OVERLAP
+            pieces = self.eff.overlap_chunks if paper else x.pieces
+            # A ring hides only behind the GEMMs it is cut into (not the attention core).
+            shown = exposed(comm, gemms if x.ring else partner, pieces)
             partner = max(0.0, partner - (comm - shown))
+            gemms = min(gemms, partner)
             tally.add(Tally(exposed={x.kind: shown}, hidden={x.kind: comm - shown}))
         tally.backward = tally.seconds if backward else 0.0
         return tally
@@ -458,7 +511,12 @@ class CostModel:
     def chunks(self, chunked: bool) -> int:
         """The trainer's chunks of a block that runs chunked (`parallel.overlap_chunks`),
         else 1; each chunk issues the block's collectives once."""
-        return self.plan.overlap_chunks if chunked and self.plan.overlap == "chunked" else 1
+        return self.plan.overlap_chunks if chunked and self.plan.overlap != PAPER_OVERLAP else 1
+
+    def ring(self, has_ring: bool) -> int:
+        """Steps of each direction of a block's exchange under `parallel.collective_matmul`
+        (n-1 point-to-point steps), or 0 where the block has no ring form or it is off."""
+        return self.plan.intra - 1 if has_ring and self.plan.collective_matmul else 0
 
     @property
     def remat(self) -> str:
@@ -658,6 +716,7 @@ def sized_config(config: Config, plan: Plan, global_batch: int) -> Config:
         etp=plan.etp,
         expert_fsdp=plan.expert_fsdp,
         overlap_chunks=plan.overlap_chunks,
+        collective_matmul=plan.collective_matmul,
     )
     micro_batches = global_batch // (plan.data * plan.micro_batch)
     train = dataclasses.replace(config.train, batch_size=global_batch, grad_accum=micro_batches)

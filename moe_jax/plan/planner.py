@@ -104,7 +104,7 @@ def plans(
     gpu: GPU,
     global_batch: int,
     pp: int | None = None,
-    overlap: str = "chunked",
+    overlap: str = "both",
     attention: tuple[str, ...] = ATTENTION_LAYOUTS,
     experts: tuple[str, ...] = EXPERT_LAYOUTS,
     intra: tuple[int, ...] = INTRA_SIZES,
@@ -119,8 +119,9 @@ def plans(
     and shrinks the optimizer state. Searched pipelines cut the layers evenly (as
     Megatron-LM requires); `micro_batches` fixes the micro-batches per step,
     `micro_batch` the sequences in each; `grad_sync` picks the gradient sync model,
-    `remat` the recompute ("" = the config's; the memory model follows it) and
-    `grad_dtype` the precision of the gradient exchange."""
+    `remat` the recompute ("" = the config's; the memory model follows it),
+    `grad_dtype` the precision of the gradient exchange and `overlap` the overlap
+    settings tried (`cost_model.SEARCHES`; "both": all the trainer runs)."""
     layers = config.model.num_layers
     stages = [pp] if pp else [s for s in _divisors(gpus) if layers % s == 0]
     for p in stages:
@@ -137,9 +138,10 @@ def plans(
             kinds = _layouts(n, data, attention, experts)
             # Expert weights over 'data' too, where there is data parallelism.
             fsdp = (False, True) if data > 1 else (False,)
-            chunks = cost_model.CHUNK_CHOICES if overlap == "chunked" else (1,)
-            for (att, exp, etp), b, split, c in (
-                (k, b, f, c) for k in kinds for b in sizes if b > 0 for f in fsdp for c in chunks
+            # A ring over one device is no ring: the plan without it stands for it.
+            overlaps = [o for o in cost_model.SEARCHES[overlap] if n > 1 or not o[1]]
+            for (att, exp, etp), b, split, (c, ring) in (
+                (k, b, f, o) for k in kinds for b in sizes if b > 0 for f in fsdp for o in overlaps
             ):
                 plan = Plan(
                     att,
@@ -150,8 +152,9 @@ def plans(
                     micro_batch=b,
                     zero=int(data > 1),
                     etp=etp,
-                    overlap=overlap,
+                    overlap=cost_model.overlap_name(c, ring, overlap),
                     overlap_chunks=c,
+                    collective_matmul=ring,
                     grad_sync=grad_sync,
                     remat=remat,
                     grad_dtype=grad_dtype,
@@ -190,7 +193,7 @@ def rank(
     gpu: GPU | str,
     global_batch: int | None = None,
     pp: int | None = None,
-    overlap: str = "chunked",
+    overlap: str = "both",
     eff: Efficiency | None = None,
     limit: int | None = None,
     check_memory: bool = True,
@@ -288,6 +291,7 @@ def choose_plan(config: Config, num_devices: int, gpu: GPU | str = "h800") -> di
             "etp": plan.etp,
             "expert_fsdp": plan.expert_fsdp,
             "overlap_chunks": plan.overlap_chunks,
+            "collective_matmul": plan.collective_matmul,
         }
 
     def runs(plan: Plan) -> bool:
@@ -401,6 +405,7 @@ def summary(candidate: Candidate) -> dict:
         "zero": p.zero,
         "expert_fsdp": p.expert_fsdp,
         "overlap_chunks": p.overlap_chunks,
+        "collective_matmul": p.collective_matmul,
         "overlap": p.overlap,
         "tokens_per_sec": c.tokens_per_sec,
         "mfu": c.mfu,

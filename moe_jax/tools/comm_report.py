@@ -167,20 +167,20 @@ def report(config: config_lib.Config, compiler_options: dict | None = None) -> d
 
 def format_report(result: dict) -> str:
     """The table of collectives and the summary, as printed."""
-    header = ("kind", "pass", "role", "tag", "chunk", "group", "dtype", "bytes/device", "count")
+    header = ("kind", "pass", "role", "tag", "chunk", "ring", "group", "dtype", "bytes/device")
     lines = [
         f"collectives of one training step ({CONVENTION})",
-        f"{header[0]:<19}{header[1]:<9}{header[2]:<11}{header[3]:<15}{header[4]:>5}{header[5]:>6} "
-        f"{header[6]:<6}{header[7]:>14}{header[8]:>7}{'total':>14}",
+        f"{header[0]:<19}{header[1]:<9}{header[2]:<11}{header[3]:<15}{header[4]:>5}{header[5]:>5}"
+        f"{header[6]:>6} {header[7]:<6}{header[8]:>14}{'count':>7}{'total':>14}",
     ]
     silent = [c for c in result["collectives"] if c["bytes"] == 0]
     for c in result["collectives"]:
         if c["bytes"] == 0:
             continue
         unsure = "" if c["count_known"] else "  (loop trip count unknown: counted once)"
-        chunk = "-" if c["chunk"] is None else c["chunk"]
+        chunk, ring = ("-" if c[key] is None else c[key] for key in ("chunk", "ring"))
         lines.append(
-            f"{c['kind']:<19}{c['pass']:<9}{c['role']:<11}{c['tag'] or '-':<15}{chunk:>5}"
+            f"{c['kind']:<19}{c['pass']:<9}{c['role']:<11}{c['tag'] or '-':<15}{chunk:>5}{ring:>5}"
             f"{c['group_size']:>6} {c['dtype']:<6}{c['bytes']:>14,}{c['count']:>7}"
             f"{c['bytes'] * c['count']:>14,}{unsure}"
         )

@@ -83,6 +83,7 @@ _IOTA_GROUPS = re.compile(r"replica_groups=\[(?P<dims>[\d,\s]+)\]<=\[")
 _MESH_GROUPS = re.compile(r"replica_groups=mesh\[(?P<axes>[^\]]*)\]\s*\{(?P<names>[^}]*)\}")
 _PAIRS = re.compile(r"source_target_pairs=\{(?P<pairs>(?:\{\d+,\d+\},?)*)\}")
 _CHUNK = re.compile(r"/chunk(?P<c>\d+)/")  # the expert block's chunks (parallel.overlap_chunks)
+_RING = re.compile(r"/ring(?P<r>\d+)/")  # a collective matmul's steps (parallel.collective_matmul)
 _MODULE_SIZE = re.compile(r"\b(?P<key>num_partitions|replica_count)=(?P<value>\d+)")
 
 
@@ -101,6 +102,7 @@ class Collective:
     op_name: str = ""
     count_known: bool = True  # False when a loop on its call chain had no known trip count
     chunk: int | None = None  # the `parallel.overlap_chunks` chunk it belongs to, if any
+    ring: int | None = None  # the `parallel.collective_matmul` ring step, if any
 
     @property
     def total(self) -> int:
@@ -143,11 +145,22 @@ class Instruction:
         """The `parallel.overlap_chunks` chunk it belongs to, if any."""
         return chunk_of(self.op_name)
 
+    @property
+    def ring(self) -> int | None:
+        """The `parallel.collective_matmul` ring step it belongs to, if any."""
+        return ring_of(self.op_name)
+
 
 def chunk_of(op_name: str) -> int | None:
     """The chunk an op_name's scope names (`.../chunk<c>/...`), or None."""
     match = _CHUNK.search(op_name)
     return int(match["c"]) if match else None
+
+
+def ring_of(op_name: str) -> int | None:
+    """The ring step an op_name's scope names (`.../ring<i>/...`), or None."""
+    match = _RING.search(op_name)
+    return int(match["r"]) if match else None
 
 
 def parse(hlo_text: str) -> list[Collective]:
@@ -166,7 +179,7 @@ def parse(hlo_text: str) -> list[Collective]:
             continue
         group = _group_size(kind, ins.attrs, devices)
         parts = _parts(ins, kind, group, element_names, shapes)
-        for (tag, pass_, dtype, chunk), (size, op_name) in parts.items():
+        for (tag, pass_, dtype, chunk, ring), (size, op_name) in parts.items():
             result.append(
                 Collective(
                     kind=kind,
@@ -180,24 +193,27 @@ def parse(hlo_text: str) -> list[Collective]:
                     op_name=op_name,
                     count_known=known,
                     chunk=chunk,
+                    ring=ring,
                 )
             )
     return result
 
 
 def aggregate(collectives: Iterable[Collective]) -> list[Collective]:
-    """Rows identical in (kind, group_size, dtype, bytes, role, pass, tag, chunk) merged, counts
-    summed; the first row's op_name stands for the group. Largest total first."""
+    """Rows identical in (kind, group_size, dtype, bytes, role, pass, tag, chunk, ring)
+    merged, counts summed; the first row's op_name stands for the group. Largest total
+    first."""
     merged: dict[tuple, Collective] = {}
     for c in collectives:
-        key = (c.kind, c.group_size, c.dtype, c.bytes, c.role, c.pass_, c.tag, c.chunk)
+        key = (c.kind, c.group_size, c.dtype, c.bytes, c.role, c.pass_, c.tag, c.chunk, c.ring)
         if key in merged:
             old = merged[key]
             c = dataclasses.replace(
                 old, count=old.count + c.count, count_known=old.count_known and c.count_known
             )
         merged[key] = c
-    order = lambda c: (c.role, c.pass_, -c.total, c.kind, -1 if c.chunk is None else c.chunk)
+    step = lambda i: -1 if i is None else i
+    order = lambda c: (c.role, c.pass_, -c.total, c.kind, step(c.chunk), step(c.ring))
     return sorted(merged.values(), key=order)
 
 
@@ -341,12 +357,13 @@ def _parts(
     group: int,
     element_names: dict[tuple[str, int], str],
     shapes: dict[str, str],
-) -> dict[tuple[str, str, str, int | None], tuple[int, str]]:
-    """(S in bytes, an op_name) per (tag, pass, dtype, chunk) of the instruction's elements."""
+) -> dict[tuple[str, str, str, int | None, int | None], tuple[int, str]]:
+    """(S in bytes, an op_name) per (tag, pass, dtype, chunk, ring step) of the
+    instruction's elements."""
     own = ins.op_name
     elements = _buffer_elements(ins, kind, shapes)
     combined = _split_combined(own, len(elements))
-    parts: dict[tuple[str, str, str, int | None], tuple[int, str]] = {}
+    parts: dict[tuple[str, str, str, int | None, int | None], tuple[int, str]] = {}
     for index, element in enumerate(elements):
         arrays = _arrays(element)
         if not arrays:
@@ -355,7 +372,7 @@ def _parts(
         tag = next((t for t in TAGS if t in name), "")
         pass_ = "backward" if "transpose(" in name else "forward"
         size = sum(b for _, b in arrays) * (group if kind == "reduce-scatter" else 1)
-        key = (tag, pass_, arrays[0][0], chunk_of(name))
+        key = (tag, pass_, arrays[0][0], chunk_of(name), ring_of(name))
         before, first_name = parts.get(key, (0, name))
         parts[key] = (before + size, first_name)
     return parts
