@@ -1,18 +1,22 @@
-"""Chunked token exchange (`parallel.overlap_chunks`) on a GPU, from its scheduled program.
+"""Chunked token exchange (`parallel.overlap_chunks`) and collective matmul
+(`parallel.collective_matmul`) on a GPU, from the scheduled program.
 
     python bench/gpu_overlap.py            # on the GPU machine (one GPU is enough)
     python bench/gpu_overlap.py --small    # a CPU dry run (8 forced host devices)
 
 1. Schedule: compiles one training step for an 8-device mesh (on one GPU through
-   XLA's mock GPU topology, as JAX's own tests do; on CPU with 8 host devices) for
-   `ep_ag` and `ep_a2a` with C = 1, 2, 4 chunks, and reports from the scheduled HLO
-   each asynchronous collective (start/done pair) of the expert block with the GEMMs
-   scheduled between its start and its done, i.e. the compute it can hide behind.
-   XLA:CPU runs collectives synchronously, so the CPU run reports the exchanges per
-   chunk and no pairs.
-2. Pieces: forward and backward of the expert block's grouped GEMM on one device, as
-   C chunks of rows against one call of the same FLOPs (ratio = one / chunks; the
-   chunked forms should keep >= 0.9 of the monolithic rate).
+   XLA's mock GPU topology, as JAX's own tests do; on CPU with 8 host devices): `dp`
+   attention with `ep_ag` and `ep_a2a` experts at C = 1, 2, 4 chunks, and `tp`
+   attention with `ep_ag` experts without and with collective matmul. It reports from
+   the scheduled HLO each asynchronous collective (start/done pair) of the attention,
+   MLP and expert blocks with the GEMMs scheduled between its start and its done, i.e.
+   the compute it can hide behind, and the blocks' token exchanges per chunk and ring
+   step. XLA:CPU runs collectives synchronously, so the CPU run reports the exchanges
+   and no pairs.
+2. Pieces: forward and backward on one device of the expert block's grouped GEMM as C
+   chunks of rows, and of a tensor-parallel projection as the n = 8 blocks of a ring,
+   each against one call of the same FLOPs (ratio = one / pieces; the pieces should
+   keep >= 0.9 of the monolithic rate).
 
 Prints one JSON object last; exit status 1 when a check fails. Nothing here is used
 by the trainer; runs end to end in well under 5 minutes.
@@ -53,7 +57,7 @@ def mock_devices() -> str:
     return "gpu (mock topology)"
 
 
-def step_program(experts: str, chunks: int) -> str:
+def step_program(attention: str, experts: str, chunks: int, ring: bool = False) -> str:
     """The compiled text of one training step of a small MoE model on DEVICES devices."""
     from moe_jax.config import Config, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
     from moe_jax.parallel import mesh as mesh_lib
@@ -74,7 +78,12 @@ def step_program(experts: str, chunks: int) -> str:
         moe=MoEConfig(num_experts=8, top_k=2, expert_mlp_dim=2 * width),
         train=TrainConfig(batch_size=DEVICES, seq_len=seq),
         parallel=ParallelConfig(
-            attention="dp", experts=experts, intra=DEVICES, data=1, overlap_chunks=chunks
+            attention=attention,
+            experts=experts,
+            intra=DEVICES,
+            data=1,
+            overlap_chunks=chunks,
+            collective_matmul=ring,
         ),
     )
     config = check_plan(config, jax.device_count())
@@ -89,9 +98,20 @@ def step_program(experts: str, chunks: int) -> str:
     return lowered.compile().as_text()
 
 
+BLOCKS = ("attention", "mlp", "moe")
+
+
+def _step(ins: hlo_collectives.Instruction) -> str:
+    """Where a block's instruction belongs: "c<chunk>", "r<ring step>", both, or "-"."""
+    parts = [f"c{ins.chunk}"] if ins.chunk is not None else []
+    parts += [f"r{ins.ring}"] if ins.ring is not None else []
+    return "".join(parts) or "-"
+
+
 def schedule(hlo: str) -> dict:
-    """The expert block's asynchronous collectives with the GEMMs scheduled inside each
-    start/done pair, and its token exchanges per chunk (synchronous ones included)."""
+    """The blocks' asynchronous collectives with the GEMMs scheduled inside each
+    start/done pair, and their token exchanges by block and chunk / ring step (as
+    "block/step", synchronous ones included)."""
     program = hlo_collectives.instructions(hlo)
     with_dot = {ins.computation for ins in program if ins.opcode == "dot"}
 
@@ -106,20 +126,21 @@ def schedule(hlo: str) -> dict:
     for body in bodies.values():
         opened: dict[str, tuple[str, str, int]] = {}
         for position, ins in enumerate(body):
-            chunk = "-" if ins.chunk is None else str(ins.chunk)
-            in_moe = "/moe/" in ins.op_name
+            block = next((b for b in BLOCKS if f"/{b}/" in ins.op_name), None)
             kind = ins.opcode.removesuffix("-start")
             starts = ins.opcode.endswith("-start")
-            if in_moe and "token_exchange" in ins.op_name and (kind in COLLECTIVES or starts):
-                exchanges[chunk] = exchanges.get(chunk, 0) + 1
-            if in_moe and starts:
-                opened[ins.name] = (kind, chunk, position)
+            where = f"{block}/{_step(ins)}"
+            exchange = "token_exchange" in ins.op_name and (kind in COLLECTIVES or starts)
+            if block and exchange:
+                exchanges[where] = exchanges.get(where, 0) + 1
+            if block and starts:
+                opened[ins.name] = (kind, where, position)
             started = ins.operands & set(opened) if ins.opcode.endswith("-done") else set()
             for name in started:
-                kind, chunk, begin = opened.pop(name)
+                kind, where, begin = opened.pop(name)
                 inside = sum(map(is_gemm, body[begin + 1 : position]))
-                pairs.append({"kind": kind, "chunk": chunk, "gemms": inside})
-    return {"exchanges_per_chunk": exchanges, "async_pairs": pairs}
+                pairs.append({"kind": kind, "where": where, "gemms": inside})
+    return {"exchanges": exchanges, "async_pairs": pairs}
 
 
 def time_pieces(chunks: int, repeats: int) -> dict:
@@ -147,6 +168,32 @@ def time_pieces(chunks: int, repeats: int) -> dict:
     }
 
 
+def time_ring_pieces(pieces: int, repeats: int) -> dict:
+    """A tensor-parallel projection forward+backward: `pieces` GEMMs on 1/pieces of the
+    rows each (a ring's steps), against one GEMM on all of them, on one device."""
+    rows, dim, width = (256, 64, 128) if SMALL else (16384, 4096, 1792)
+    dtype = jnp.float32 if SMALL else jnp.bfloat16
+    x = jax.random.normal(jax.random.key(0), (rows, dim), dtype)
+    w = jax.random.normal(jax.random.key(1), (dim, width), dtype) / dim**0.5
+
+    def loss(w, x, pieces: int):
+        outs = [p @ w for p in jnp.split(x, pieces)]
+        return sum(jnp.sum(o.astype(jnp.float32) ** 2) for o in outs)
+
+    grad = lambda pieces: jax.jit(jax.grad(partial(loss, pieces=pieces), argnums=(0, 1)))
+    one = median_seconds(grad(1), (w, x), repeats)
+    many = median_seconds(grad(pieces), (w, x), repeats)
+    return {
+        "one_ms": round(one * 1e3, 3),
+        "ring_ms": round(many * 1e3, 3),
+        "ratio": round(one / many, 3),
+    }
+
+
+def _chunks_seen(exchanges: dict, block: str) -> set[str]:
+    return {where.split("/")[1] for where in exchanges if where.startswith(f"{block}/")}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="a CPU dry run at tiny sizes")
@@ -155,20 +202,26 @@ def main() -> None:
     ok = jax.device_count() == DEVICES
     if not ok:
         report["schedule_error"] = f"saw {jax.device_count()} devices, not {DEVICES}"
-    for experts in ("ep_ag", "ep_a2a") if ok else ():
-        for chunks in (1, 2, 4):
-            found = schedule(step_program(experts, chunks))
-            report["schedule"][f"{experts}/C{chunks}"] = found
-            counts = found["exchanges_per_chunk"]
-            print(f"{experts} C={chunks}: exchanges per chunk {counts}", flush=True)
-            for pair in found["async_pairs"]:
-                print(f"  {pair['kind']} (chunk {pair['chunk']}) encloses {pair['gemms']} GEMMs")
-            if chunks > 1:  # every chunk has its exchanges, of equal number
-                ok = ok and len(set(counts.values())) == 1 and len(counts) == chunks
+    runs = [("dp", e, c, False) for e in ("ep_ag", "ep_a2a") for c in (1, 2, 4)]
+    runs += [("tp", "ep_ag", 1, False), ("tp", "ep_ag", 1, True)]
+    for attention, experts, chunks, ring in runs if ok else ():
+        name = f"{attention}+{experts}/C{chunks}" + ("+cm" if ring else "")
+        found = schedule(step_program(attention, experts, chunks, ring))
+        report["schedule"][name] = found
+        print(f"{name}: token exchanges by block/step {found['exchanges']}", flush=True)
+        for pair in found["async_pairs"]:
+            print(f"  {pair['kind']} ({pair['where']}) encloses {pair['gemms']} GEMMs")
+        moe = {w: n for w, n in found["exchanges"].items() if w.startswith("moe/")}
+        if chunks > 1:  # every chunk has its exchanges, of equal number
+            ok = ok and len(set(moe.values())) == 1 and len(moe) == chunks
+        if ring:  # every ring step of every block, and nothing outside a ring
+            steps = {f"r{i}" for i in range(DEVICES)}
+            ok = ok and all(_chunks_seen(found["exchanges"], b) == steps for b in BLOCKS[::2])
     repeats = 2 if SMALL else 20
     report["pieces"] = {f"C{c}": time_pieces(c, repeats) for c in (2, 4)}
+    report["pieces"]["ring8"] = time_ring_pieces(DEVICES, repeats)
     for key, value in report["pieces"].items():
-        print(f"grouped GEMM {key}: {value}", flush=True)
+        print(f"GEMM pieces {key}: {value}", flush=True)
     report["ok"] = ok
     print(json.dumps(report), flush=True)
     raise SystemExit(0 if ok else 1)

@@ -66,7 +66,7 @@ def main() -> None:
     print(
         f"plan: attention={p.attention} experts={p.experts} n={p.intra} data={p.data} "
         f"zero={p.zero} expert_fsdp={p.expert_fsdp} vocab_parallel={p.vocab_parallel} "
-        f"overlap_chunks={p.overlap_chunks}, "
+        f"overlap_chunks={p.overlap_chunks} collective_matmul={p.collective_matmul}, "
         f"micro-batch {plan.micro_batch} x {config.train.grad_accum}, remat="
         f"{config.model.remat}, attention_impl={config.model.attention_impl}"
     )

@@ -289,6 +289,18 @@ CASES = [
         "parallel.overlap_chunks=3 must divide the 32 positions",
     ),
     _c(
+        "collective_matmul_without_a_ring_form",
+        "train",
+        [
+            *TINY,
+            WORKDIR,
+            "--config.parallel.collective_matmul=True",
+            "--config.parallel.experts=ep_a2a",
+        ],
+        "parallel.collective_matmul=True has no exchange to rewrite",
+        "tp, sp, ep_ag, etp, ep_etp",
+    ),
+    _c(
         "overlap_chunks_zero",
         "train",
         [*TINY, WORKDIR, "--config.parallel.overlap_chunks=0"],

@@ -130,19 +130,23 @@ def test_quickstart_notebook_executes(tmp_path, monkeypatch):
 _OVERLAP_REPORT = f"""
 import json as _json
 print({RESULT_MARKER!r} + _json.dumps({{
-    "bytes": {{f"{{e}}/{{c}}": sum(x.total for x in rows) for (e, c), rows in exchanges.items()}},
-    "chunks": {{f"{{e}}/{{c}}": sorted({{-1 if x.chunk is None else x.chunk for x in rows}})
-               for (e, c), rows in exchanges.items()}},
-    "step_s": {{name: cost.step_s for name, cost in predicted.items()}},
+    "bytes": forward_bytes, "steps": steps_seen, "step_s": step_s, "ring_kinds": sorted(ring_kinds),
 }}))
 """
 
 
 def test_overlap_notebook_executes(tmp_path, monkeypatch):
     nb, result = _execute(OVERLAP, _OVERLAP_REPORT, tmp_path, monkeypatch)
+    moved, steps = result["bytes"], result["steps"]
     for experts in ("ep_ag", "ep_a2a"):
-        assert result["bytes"][f"{experts}/4"] == result["bytes"][f"{experts}/1"]
-        assert result["chunks"][f"{experts}/4"] == [0, 1, 2, 3]
-    step = result["step_s"]
-    assert step["none"] == step["chunked C=1"] > step["chunked C=2"] > step["chunked C=4"]
-    assert _images(nb) == 2
+        assert moved[f"dp+{experts} C=4"] == moved[f"dp+{experts} C=1"]
+        assert steps[f"dp+{experts} C=4"] == ["c0", "c1", "c2", "c3"]
+    for attention in ("tp", "sp"):  # the rings move the plain collectives' bytes
+        assert moved[f"{attention}+ep_ag C=1 +cm"] == moved[f"{attention}+ep_ag C=1"]
+        assert steps[f"{attention}+ep_ag C=1 +cm"] == [f"r{i}" for i in range(8)]
+    assert result["ring_kinds"] == ["collective-permute"]
+    best, megatron = result["step_s"].values()
+    assert best["none"] > best["chunked C=2"] > best["chunked C=4"]
+    assert megatron["none"] > megatron["collective_matmul"]  # only rings hide tp's exchanges
+    assert megatron["chunked C=4"] > megatron["both C=4"]
+    assert _images(nb) == 3

@@ -280,17 +280,23 @@ def _expert_terms(
     moe: MoEConfig,
     f_local: int,
     slots: int | None = None,
+    pieces: int = 1,
 ) -> dict[str, int]:
     """Grouped SwiGLU over `tokens` x `choices` assignments on `moe.num_experts` local
     experts of width `f_local`: the sorted rows (tile-padded for `tiled`), their hidden
     activations and the weights as the matmuls read them. `slots`: capacity per expert
-    when drops were decided over all experts (the all-gather forms)."""
+    when drops were decided over all experts (the all-gather forms). `pieces`: the
+    independent groups the rows are computed in (chunks, ring steps), each with its
+    own tile-padded buffer."""
     impl, e_local = resolve_impl(moe), moe.num_experts
     weights = 3 * e_local * z.h * f_local * z.B
     if impl == "tiled":  # copies of rows and weights made per matmul (`_varying_like`)
-        tile = moe.tile(tokens)
-        rows = -(-(tokens * choices + e_local * (tile - 1)) // tile) * tile
-        copies, indices = 2, rows + rows // tile + 1
+        per = tokens // pieces
+        tile = moe.tile(per)
+        padded = -(-(per * choices + e_local * (tile - 1)) // tile) * tile
+        rows = pieces * padded
+        copies, indices = 2, rows + pieces * (padded // tile + 1)
+        weights *= pieces  # each piece's matmuls copy the weights they read
     else:  # ragged_dot / capacity / dense read the rows and (float32) weights as they are
         capacity = slots or moe.capacity(tokens)
         rows = e_local * capacity if impl == "capacity" else tokens * choices
@@ -374,7 +380,9 @@ def block_activation_bytes(
         terms["exchange"] = tokens * 12  # received expert ids, row indices, weights
     terms.update(_router_terms(routed, z, e.num_experts, e.top_k))
     f_local = e.expert_mlp_dim // tensor
-    terms.update(_expert_terms(config, z, tokens, choices, local, f_local, group_slots))
+    ring = config.parallel.collective_matmul and spec.ring_dispatcher is not None
+    pieces = config.parallel.overlap_chunks * (z.n if ring else 1)  # chunks, ring steps
+    terms.update(_expert_terms(config, z, tokens, choices, local, f_local, group_slots, pieces))
     if e.num_shared_experts:
         width = e.num_shared_experts * e.shared_mlp_dim
         shared = _mlp_terms(config, z, width)
