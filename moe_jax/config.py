@@ -157,6 +157,9 @@ class ParallelConfig:
     # expert layouts as n-1 point-to-point steps, each overlapping the GEMM on the block
     # at hand.
     collective_matmul: bool = False
+    # Dtype of token movements: 'native' (the compute dtype) or 'fp8' (E4M3 payload with
+    # float32 scales per token and 128 channels; the backward in the compute dtype).
+    token_dtype: str = "native"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -378,6 +381,12 @@ def _validate_parallel(p: ParallelConfig) -> None:
     _positive(p, "parallel", "etp")
     _positive(p, "parallel", "overlap_chunks")
     _check(p.layout in ("manual", "auto"), "parallel.layout", p.layout, "valid: manual or auto")
+    _check(
+        p.token_dtype in ("native", "fp8"),
+        "parallel.token_dtype",
+        p.token_dtype,
+        "valid: native or fp8",
+    )
     _check(p.gpu.lower() in gpus, "parallel.gpu", p.gpu, f"valid: {gpus}")
     _check(p.zero in (0, 1), "parallel.zero", p.zero, "valid: 0 or 1 (fsdp covers weights)")
     _check(p.ag_threshold > 0, "parallel.ag_threshold", p.ag_threshold, "must be > 0")

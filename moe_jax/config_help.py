@@ -125,6 +125,12 @@ MEANINGS: dict[str, str] = {
         "GEMM on the block at hand; the all-gather expert layouts need dropless routing "
         "(`moe.capacity_factor=0`)"
     ),
+    "parallel.token_dtype": (
+        "dtype of token movements: `native` (the compute dtype) or `fp8`: dispatch all-to-alls "
+        "and all-gathers, the all-gather expert ring's steps and `sp`'s all-to-alls send an "
+        "E4M3 payload with float32 scales per token and 128 channels (dequantised on "
+        "arrival); their backward, the combines and every reduction stay in the compute dtype"
+    ),
     "parallel.ag_threshold": "`auto` picks `ep_ag` when `moe.top_k / parallel.intra` exceeds this",
     "parallel.intra": "n: devices of one intra-node group (experts and sequence split over it)",
     "parallel.data": "data-parallel groups; `0` uses every device not taken by `intra`",

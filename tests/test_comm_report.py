@@ -246,7 +246,7 @@ def test_paper_eq2_is_twice_the_per_device_ulysses_bytes():
 
 def test_summary_per_layer_per_micro_batch_and_notes():
     """No compile: measured is forward activation bytes / layers / micro-batches; bf16
-    exchanges compiled as f32 are flagged and halved in the at-model-dtype figure."""
+    exchanges that XLA:CPU compiled as f32 (read back as bf16) are named in a note."""
     config = _plan("sp", "ep_a2a", 2, 4, dtype="bfloat16")
     config = dataclasses.replace(
         config,
@@ -257,7 +257,7 @@ def test_summary_per_layer_per_micro_batch_and_notes():
     exchange = functools.partial(row, role="activation", tag="token_exchange")
     stats = functools.partial(row, "all-reduce", 4, "f32", role="activation", tag="router_stats")
     collectives = [
-        exchange("all-to-all", 4, "f32", 1000, 8),
+        exchange("all-to-all", 4, "bf16", 500, 8, compiled_dtype="f32"),
         exchange("all-to-all", 4, "s32", 100, 4),
         stats(bytes=10, count=4),
         stats(bytes=10, count=4),
@@ -265,13 +265,12 @@ def test_summary_per_layer_per_micro_batch_and_notes():
     ]
     result = comm_report.summarize(config, collectives)
     a = result["activation_bytes_per_layer"]
-    assert a["measured"] == (8000 + 400 + 80) / 4
-    assert a["measured_at_model_dtype"] == (4000 + 400 + 80) / 4
-    assert a["widened_to_f32"] and result["param_grad_bytes_per_step"] == 500
+    assert a["measured"] == (4000 + 400 + 80) / 4
+    assert a["compiled_wider"] == ["bf16 as f32"] and result["param_grad_bytes_per_step"] == 500
     assert [c["count"] for c in result["collectives"] if c["tag"] == "router_stats"] == [8]
     text = comm_report.format_report({**result, "compile_seconds": 0.0})
     assert "/ 2 micro-batches" in text and "1 of 2 layers are dense" in text
-    assert "float-normalization-bf16" in text
+    assert "XLA:CPU compiled bf16 as f32" in text
 
 
 @functools.cache
@@ -291,14 +290,12 @@ REPORTED = [  # every attention and every expert layout at least once
 @pytest.mark.parametrize("plan", REPORTED, ids=lambda p: "-".join(map(str, p)))
 def test_measured_activation_bytes_match_prediction(plan):
     a = _report(*plan)["activation_bytes_per_layer"]
-    # XLA:CPU compiles bf16 collectives as f32; the report says so and gives both figures.
-    assert a["widened_to_f32"] == (_plan(*plan).model.dtype == "bfloat16")
-    exchanged = a["measured_at_model_dtype"] - a["measured_router_stats"]
-    assert exchanged == a["predicted"]  # exact: the same buffers
-    assert a["measured_at_model_dtype"] == pytest.approx(a["predicted"], rel=0.10)
+    # XLA:CPU compiles bf16 collectives as f32; the report reads them back as bf16.
+    bf16 = _plan(*plan).model.dtype == "bfloat16"
+    assert a["compiled_wider"] == (["bf16 as f32"] if bf16 else [])
+    exchanged = a["measured"] - a["measured_router_stats"]
+    assert exchanged == a["predicted"]  # exact: the same buffers, in the dtype sent
     assert 0 < a["measured_router_stats"] < 0.1 * a["predicted"]
-    if not a["widened_to_f32"]:
-        assert a["measured"] == a["measured_at_model_dtype"]
 
 
 def test_forward_all_to_alls_are_the_predicted_exchanges():

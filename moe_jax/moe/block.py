@@ -20,7 +20,7 @@ from moe_jax.model.axes import param
 from moe_jax.model.layers import MLP
 from moe_jax.moe import experts, losses
 from moe_jax.moe.dispatcher import TokenDispatcher
-from moe_jax.moe.routing import route
+from moe_jax.moe.routing import route, router_logits
 from moe_jax.parallel.layout import CHUNK, SINGLE_DEVICE, Layout
 
 
@@ -88,10 +88,11 @@ def moe_forward(
 def _chunk(x, params: MoEParams, cfg: MoEConfig, dispatcher: TokenDispatcher):
     """(y, router statistics, the rows dispatch delivered) for the tokens of `x`."""
 
-    def routed(group: jax.Array):
+    def routed(group: jax.Array, logits: jax.Array | None = None):
         batch, seq, dim = group.shape
         tokens = group.reshape(batch * seq, dim)
-        routing = route(tokens, params.router, params.bias, cfg)
+        logits = None if logits is None else logits.reshape(batch * seq, -1)
+        routing = route(tokens, params.router, params.bias, cfg, logits)
         sent = dispatcher.dispatch(tokens, routing)
         rows = remat.tag(sent.rows, remat.EXPERT_ROWS)
         cfg_here = dispatcher.compute_cfg
@@ -100,7 +101,7 @@ def _chunk(x, params: MoEParams, cfg: MoEConfig, dispatcher: TokenDispatcher):
         stats = losses.router_stats(dispatcher.delivered(routing, sent), batch)
         return y, stats, sent.rows
 
-    return dispatcher.run(routed, x)
+    return dispatcher.run(routed, x, lambda x: router_logits(x, params.router))
 
 
 class MoE(nnx.Module):

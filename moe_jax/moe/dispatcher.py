@@ -61,10 +61,15 @@ class TokenDispatcher:
         """The config of the local expert compute (its `num_experts` are the local ones)."""
         return self.cfg
 
-    def run(self, routed: Callable, x: jax.Array) -> tuple[jax.Array, RouterStats, jax.Array]:
-        """`routed(tokens [b', s', d]) -> (partial y, statistics, rows)` on the tokens to
-        route, and back: (y like `x`, the whole batch's statistics, the rows). A
-        dispatcher that pipelines its exchange with the compute runs `routed` on blocks."""
+    def run(
+        self, routed: Callable, x: jax.Array, logits_of: Callable
+    ) -> tuple[jax.Array, RouterStats, jax.Array]:
+        """`routed(tokens [b', s', d], logits or None) -> (partial y, statistics, rows)` on
+        the tokens to route, and back: (y like `x`, the whole batch's statistics, the
+        rows). A dispatcher that pipelines its exchange with the compute runs `routed` on
+        blocks; one that compresses the tokens it moves computes their router logits
+        first (`logits_of(x)`, float32) and moves those beside them, so that routing never
+        sees the compressed tokens."""
         y, stats, rows = routed(self.gather(x))
         return self.scatter(y), self.reduce(stats), rows
 

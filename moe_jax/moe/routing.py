@@ -60,9 +60,22 @@ def capacity_keep(expert_index: jax.Array, weights: jax.Array, num_experts: int,
     return rank < capacity, rank
 
 
-def route(x: jax.Array, kernel: jax.Array, bias: jax.Array, cfg: MoEConfig) -> Routing:
-    """Routes tokens `x` [T, d] with router `kernel` [d, E] and balancing `bias` [E]."""
-    logits = jnp.dot(x.astype(jnp.float32), kernel.astype(jnp.float32))
+def router_logits(x: jax.Array, kernel: jax.Array) -> jax.Array:
+    """[..., d] tokens -> [..., E] router logits, in float32."""
+    return jnp.dot(x.astype(jnp.float32), kernel.astype(jnp.float32))
+
+
+def route(
+    x: jax.Array,
+    kernel: jax.Array,
+    bias: jax.Array,
+    cfg: MoEConfig,
+    logits: jax.Array | None = None,
+) -> Routing:
+    """Routes tokens `x` [T, d] with router `kernel` [d, E] and balancing `bias` [E];
+    `logits` [T, E], when given, are the router's logits of these tokens computed where
+    they were more precise (before a compressed exchange)."""
+    logits = router_logits(x, kernel) if logits is None else logits
     if cfg.score_fn == "softmax":
         scores = jax.nn.softmax(logits, axis=-1)
         probs = scores

@@ -24,6 +24,7 @@ transposes every `ppermute` into one that runs the other way.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +32,7 @@ import jax.numpy as jnp
 from moe_jax.parallel.layout import INTRA, RING, TOKEN_EXCHANGE
 
 
-def _shift(x, n: int, by: int = 1):
+def shift(x, n: int, by: int = 1):
     """Every device's `x` to device (me + by) mod n of the intra group."""
     with jax.named_scope(TOKEN_EXCHANGE):
         perm = [(j, (j + by) % n) for j in range(n)]
@@ -42,14 +43,16 @@ def me() -> jax.Array:
     return jax.lax.axis_index(INTRA)
 
 
-def ring_gather(f: Callable, x, n: int) -> list:
-    """[f(block of source (me - i) mod n) for i in range(n)]: x travels the ring."""
+def ring_gather(f: Callable, x, n: int, move: Callable | None = None) -> list:
+    """[f(block of source (me - i) mod n) for i in range(n)]: x travels the ring, one
+    device on per step by `move` (default `shift`; an FP8 form compresses it)."""
+    move = move or (lambda x: shift(x, n))
     outs = []
     for i in range(n):
         with jax.named_scope(f"{RING}{i}"):
             outs.append(f(x))
             if i < n - 1:
-                x = _shift(x, n)
+                x = move(x)
     return outs
 
 
@@ -63,18 +66,22 @@ def ring_reduce_scatter(part: Callable[[int], jax.Array], n: int) -> jax.Array:
     for i in range(1, n):
         with jax.named_scope(f"{RING}{i}"):
             j = (i + 1) % n  # the last step adds this device's own block
-            acc = _shift(acc, n) + part(j)
+            acc = shift(acc, n) + part(j)
     return acc
 
 
-def pairwise_all_to_all(send: Callable[[jax.Array], object], n: int) -> list[tuple]:
+def pairwise_all_to_all(
+    send: Callable[[jax.Array], object], n: int, wrap: Callable = lambda move: move
+) -> list[tuple]:
     """[(source, block)] for k in 0..n-1: the block `send(dest)` made for this device on
-    device source = (me - k) mod n (where dest = (me + k) mod n)."""
+    device source = (me - k) mod n (where dest = (me + k) mod n). `wrap` turns each
+    step's move into the one to run (an FP8 form compresses it)."""
     got = []
     for k in range(n):
         with jax.named_scope(f"{RING}{k}"):
             block = send((me() + k) % n)
-            got.append(((me() - k) % n, _shift(block, n, k) if k else block))
+            moved = wrap(partial(shift, n=n, by=k))(block) if k else block
+            got.append(((me() - k) % n, moved))
     return got
 
 

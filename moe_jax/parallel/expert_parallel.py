@@ -45,6 +45,7 @@ from moe_jax.moe.dispatcher import Dispatched, TokenDispatcher
 from moe_jax.moe.losses import RouterStats, merge_chunks
 from moe_jax.moe.routing import Routing, restrict
 from moe_jax.parallel import collective_matmul as cm
+from moe_jax.parallel.fp8_exchange import token_collective, wire_bytes
 from moe_jax.parallel.fsdp import gather_weights
 from moe_jax.parallel.layout import DATA, EXPERT, INTRA, ROUTER_STATS, TOKEN_EXCHANGE
 from moe_jax.parallel.spec import ExpertSpec, Sizes
@@ -91,6 +92,18 @@ class AllGatherDispatcher(TokenDispatcher):
         super().__init__(cfg)
         self.axis = 1 if EXPERT in layout.seq_axes else 0  # where the intra group splits tokens
         self.local = cfg.num_experts // layout.size(EXPERT)
+        gather = lambda x: jax.lax.all_gather(x, INTRA, axis=self.axis, tiled=True)
+        self.plain_gather = gather
+        self.all_gather = token_collective(gather, layout.token_dtype)
+        self.compressed = layout.token_dtype != "native"
+
+    def run(self, routed, x, logits_of):
+        if not self.compressed:
+            return super().run(routed, x, logits_of)
+        with jax.named_scope(TOKEN_EXCHANGE):
+            logits = self.plain_gather(logits_of(x))  # E floats a token, beside the payload
+        y, stats, rows = routed(self.gather(x), logits)
+        return self.scatter(y), self.reduce(stats), rows
 
     @property
     def compute_cfg(self):
@@ -98,7 +111,7 @@ class AllGatherDispatcher(TokenDispatcher):
 
     def gather(self, x: jax.Array) -> jax.Array:
         with jax.named_scope(TOKEN_EXCHANGE):
-            return jax.lax.all_gather(x, INTRA, axis=self.axis, tiled=True)
+            return self.all_gather(x)
 
     def dispatch(self, tokens: jax.Array, routing: Routing) -> Dispatched:
         first = jax.lax.axis_index(EXPERT) * self.local
@@ -126,9 +139,14 @@ class RingDispatcher(AllGatherDispatcher):
     def __init__(self, cfg, layout):
         super().__init__(cfg, layout)
         self.n = layout.size(INTRA)
+        self.move = token_collective(lambda x: cm.shift(x, self.n), layout.token_dtype)
 
-    def run(self, routed, x):
-        steps = cm.ring_gather(routed, x, self.n)
+    def run(self, routed, x, logits_of):
+        if self.compressed:  # the logits travel beside the compressed tokens
+            move = lambda pair: (self.move(pair[0]), cm.shift(pair[1], self.n))
+            steps = cm.ring_gather(lambda pair: routed(*pair), (x, logits_of(x)), self.n, move)
+        else:
+            steps = cm.ring_gather(routed, x, self.n)
         y = cm.ring_reduce_scatter(lambda j: steps[j][0], self.n)
         stats = merge_chunks([s for _, s, _ in steps])
         if self.axis == 0:  # the steps held different sequences: theirs, in source order
@@ -205,6 +223,7 @@ class AllToAllDispatcher(TokenDispatcher):
         self.local = cfg.num_experts // self.n
         self.batch_axes, self.seq_axes = layout.batch_axes, layout.seq_axes
         self.factor = layout.a2a_buffer_factor
+        self.send = token_collective(exchange, layout.token_dtype)  # the rows; ids stay int32
 
     @property
     def compute_cfg(self):
@@ -218,7 +237,8 @@ class AllToAllDispatcher(TokenDispatcher):
         expert_of_row = expert_of_row.at[send.row.reshape(-1)].set(
             (routing.expert_index % self.local).reshape(-1), mode="drop"
         )
-        rows = exchange(dsp.dispatch(tokens, send))
+        with jax.named_scope(TOKEN_EXCHANGE):
+            rows = self.send(dsp.dispatch(tokens, send))
         expert = exchange(expert_of_row)[:, None]
         return Dispatched(
             rows, received_routing(expert, expert < self.local), state=(send, routing)
@@ -236,22 +256,35 @@ class AllToAllDispatcher(TokenDispatcher):
             return stats.combine(self.batch_axes, self.seq_axes)
 
 
+def _dispatch_bytes(config, s: Sizes) -> Fraction:
+    """Bytes per element of the dispatch direction (`parallel.token_dtype`)."""
+    return wire_bytes(s.h, config.parallel.token_dtype, s.B)
+
+
 def gathered_bytes(config, s: Sizes) -> Fraction:
-    """All-gather of the group's tokens in, reduce-scatter of the outputs: 2·T·h·B·(n-1)/n."""
-    return 2 * s.T * s.h * s.B * s.f
+    """All-gather of the group's tokens in, reduce-scatter of the outputs: 2·T·h·B·(n-1)/n;
+    with FP8 tokens the gather at 1 byte plus scales, and each token's E float32 router
+    logits beside it."""
+    gather = s.T * s.h * _dispatch_bytes(config, s) * s.f
+    if config.parallel.token_dtype == "fp8":
+        gather += s.T * config.moe.num_experts * 4 * s.f
+    return gather + s.T * s.h * s.B * s.f
 
 
-def buffer_bytes(s: Sizes, slots: Rows) -> Fraction:
-    """n buffers of `slots` rows there and back, and their int32 expert ids."""
+def buffer_bytes(s: Sizes, slots: Rows, dispatch: Fraction | None = None) -> Fraction:
+    """n buffers of `slots` rows there (at `dispatch` bytes an element, default the
+    model's) and back, and their int32 expert ids."""
     rows = s.n * slots
-    return 2 * s.f * rows * s.h * s.B + s.f * rows * 4
+    there = s.B if dispatch is None else dispatch
+    return s.f * rows * s.h * (there + s.B) + s.f * rows * 4
 
 
 def padded_bytes(config, s: Sizes) -> Fraction:
     """The static buffers of `send_slots` rows (parallel.a2a_buffer_factor included)."""
     moe = config.moe
     local = moe.num_experts // s.n
-    return buffer_bytes(s, send_slots(s.t, moe, local, config.parallel.a2a_buffer_factor))
+    slots = send_slots(s.t, moe, local, config.parallel.a2a_buffer_factor)
+    return buffer_bytes(s, slots, _dispatch_bytes(config, s))
 
 
 def _a2a_paper(config, s: Sizes) -> Fraction:

@@ -88,6 +88,9 @@ class Layout:
     # parallel.collective_matmul: exchanges cut into n-1 point-to-point steps, each
     # overlapping the GEMM on the block at hand (`moe_jax.parallel.collective_matmul`).
     collective_matmul: bool = False
+    # parallel.token_dtype: 'fp8' sends token movements as E4M3 with scales
+    # (`moe_jax.parallel.fp8_exchange.token_collective`).
+    token_dtype: str = "native"
 
     # Each block kind runs under a name scope of its own, so the compiled
     # program says which block a collective belongs to.

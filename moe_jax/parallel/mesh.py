@@ -46,6 +46,7 @@ def make_layout(config: Config, mesh: Mesh) -> Layout:
         a2a_buffer_factor=config.parallel.a2a_buffer_factor,
         overlap_chunks=config.parallel.overlap_chunks,
         collective_matmul=config.parallel.collective_matmul,
+        token_dtype=config.parallel.token_dtype,
         vocab_spec=registry.vocab_spec(config),
     )
 

@@ -81,6 +81,8 @@ class AttentionSpec:
     # `parallel.overlap_chunks` > 1 runs the attention block as that many independent
     # chunks of the batch (each projecting, exchanging and attending on its own).
     chunks_batch: bool = False
+    # `parallel.token_dtype='fp8'` sends its exchanges as E4M3 with scales.
+    compresses_tokens: bool = False
     # `parallel.collective_matmul` runs its exchanges as rings of point-to-point steps,
     # each beside the GEMM on the block at hand (else the setting leaves it alone).
     ring: bool = False

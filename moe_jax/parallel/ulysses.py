@@ -26,6 +26,7 @@ from moe_jax.model import remat
 from moe_jax.model.layers import cast_like
 from moe_jax.parallel import checks
 from moe_jax.parallel import collective_matmul as cm
+from moe_jax.parallel.fp8_exchange import token_collective, wire_bytes
 from moe_jax.parallel.layout import CHUNK, DATA, INTRA, TOKEN_EXCHANGE, local_mlp
 from moe_jax.parallel.spec import AttentionSpec, Sizes
 
@@ -53,7 +54,7 @@ def _heads_for(weights, dest: jax.Array, n: int):
     )
 
 
-def _pairwise_attention(block, x, positions, weights, attend, n: int):
+def _pairwise_attention(block, x, positions, weights, attend, n: int, wrap):
     """The block with each all-to-all as n-1 pairwise steps: device dest's QKV GEMM runs
     while the previous device's block travels, and each arriving output block's GEMM
     while the next one travels."""
@@ -63,13 +64,14 @@ def _pairwise_attention(block, x, positions, weights, attend, n: int):
         q, k, v = block.project(x, _heads_for(weights, dest, n))
         return jnp.concatenate((*block.rotate(q, k, positions), v), axis=2)
 
-    got = cm.pairwise_all_to_all(qkv_for, n)
+    got = cm.pairwise_all_to_all(qkv_for, n, wrap)
     qkv = cm.place([b for _, b in got], [source for source, _ in got], axis=1)
     per = weights.query.shape[1] // n
     q, k, v = jnp.split(qkv, (per, per + (qkv.shape[2] - per) // 2), axis=2)
     o = attend(q, k, v)
     y = 0
-    for source, part in cm.pairwise_all_to_all(lambda dest: cm.block_of(o, dest, n, 1), n):
+    back = cm.pairwise_all_to_all(lambda dest: cm.block_of(o, dest, n, 1), n, wrap)
+    for source, part in back:
         part = remat.tag(part, remat.ATTENTION_OUT)  # kept, not re-sent
         out = jax.lax.dynamic_slice_in_dim(weights.out, source * per, per, axis=0)
         y = y + block.out(part, dataclasses.replace(weights, out=out))
@@ -79,19 +81,21 @@ def _pairwise_attention(block, x, positions, weights, attend, n: int):
 def ulysses_attention(layout, block, x, positions, weights, axes, attend):
     """x [b, s, d] with the sequence split over the intra group -> the same."""
     n = layout.size(INTRA)
+    wrap = lambda move: token_collective(move, layout.token_dtype)
+    to_heads, to_seq = wrap(_seq_to_heads), wrap(_heads_to_seq)
 
     def exchange_and_attend(q, k, v):
         if k.shape[2] < n:
             k, v = (jnp.repeat(t, n // t.shape[2], axis=2) for t in (k, v))
         with jax.named_scope(TOKEN_EXCHANGE):
-            q, k, v = _seq_to_heads(q), _seq_to_heads(k), _seq_to_heads(v)
+            q, k, v = to_heads(q), to_heads(k), to_heads(v)
         o = attend(q, k, v)
         with jax.named_scope(TOKEN_EXCHANGE):
-            return remat.tag(_heads_to_seq(o), remat.ATTENTION_OUT)  # kept, not re-sent
+            return remat.tag(to_seq(o), remat.ATTENTION_OUT)  # kept, not re-sent
 
     def body(x, positions, weights):
         if layout.collective_matmul:
-            return _pairwise_attention(block, x, positions, weights, attend, n)
+            return _pairwise_attention(block, x, positions, weights, attend, n, wrap)
         return block(x, positions, weights, exchange_and_attend)
 
     chunks = layout.overlap_chunks
@@ -121,11 +125,13 @@ def _problems(config) -> list[str]:
 
 def exchanged_bytes(config, s: Sizes) -> Fraction:
     """q, k, v to head shards and the output back: (n-1)/n of each device's
-    [t, width] buffers, the kv heads repeated up to n."""
+    [t, width] buffers, the kv heads repeated up to n (FP8 tokens: 1 byte an element
+    plus a float32 scale per head and 128 channels)."""
     m = config.model
     q_width = m.num_heads * m.head_dim
     kv_heads = m.num_kv_heads if m.num_kv_heads >= s.n else s.n
-    return s.f * s.t * (2 * q_width + 2 * kv_heads * m.head_dim) * s.B
+    element = wire_bytes(m.head_dim, config.parallel.token_dtype, s.B)
+    return s.f * s.t * (2 * q_width + 2 * kv_heads * m.head_dim) * element
 
 
 def paper_bytes(config, s: Sizes) -> Fraction:
@@ -144,6 +150,7 @@ SP = AttentionSpec(
     heads_split=True,
     chunks_batch=True,
     ring=True,
+    compresses_tokens=True,
     mlp_in_shard_map=False,
     attention_bytes=exchanged_bytes,
     paper_bytes=paper_bytes,

@@ -358,6 +358,7 @@ class CostModel:
             ),
             _Op("attention_core", "attention", 4 * t * context * heads * hd, qkvo),
             _Op("elementwise", "memory", 0.0, t * (5 * h + 2 * (heads + kv) * hd) * B),
+            *self._fp8_casts(qkvo / B if self.attention_spec.compresses_tokens else 0),
         ]
 
     def mlp_ops(self) -> list[_Op]:
@@ -406,11 +407,30 @@ class CostModel:
                 + routed * h * B,  # the combined output
             ),
             _Op("elementwise", "memory", 0.0, (5 * t * h + 3 * rows * f + 3 * t * shared) * B),
+            *self._fp8_casts(self._received_rows() * h),
         ]
         if shared:
             io = t * (2 * h + 3 * shared) * B
             ops.append(_Op("dense_gemm", "gemm", 6 * t * h * shared, 3 * h * shared * B + io))
         return ops
+
+    def _received_rows(self) -> float:
+        """Rows an expert block's dispatch delivers to one device: the group's tokens
+        (all-gather forms) or its n static receive buffers."""
+        e, p = self.config.moe, self.plan
+        if self.expert_spec.gathers_tokens:
+            return self.T
+        local = e.num_experts // p.intra
+        factor = self.config.parallel.a2a_buffer_factor
+        return p.intra * self.expert_spec.receive_slots(self.t, e, local, factor)
+
+    def _fp8_casts(self, elements: float) -> list[_Op]:
+        """`parallel.token_dtype='fp8'`: quantising what a block sends (read B bytes an
+        element, write 1) and dequantising what it receives (read 1, write B), at HBM
+        speed; `elements` received per device (sent: the same or fewer)."""
+        if self.config.parallel.token_dtype != "fp8" or not elements:
+            return []
+        return [_Op("fp8_casts", "memory", 0.0, 2 * elements * (self.B + 1))]
 
     def head_ops(self) -> list[_Op]:
         m, t, B = self.config.model, self.t, self.B

@@ -334,6 +334,7 @@ COMPUTE = (
     "attention_core",
     "routing_permute",
     "elementwise",
+    "fp8_casts",
     "grad_accumulation",
     "optimizer",
 )

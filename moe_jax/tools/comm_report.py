@@ -13,9 +13,10 @@ On a machine without 8 accelerators, force CPU devices:
 
 Adding `--xla_backend_optimization_level=0` to XLA_FLAGS halves the CPU compile
 time; it lowers LLVM's effort only, and the HLO collectives stay the same.
-XLA:CPU has no bf16 collectives: its float-normalization-bf16 pass compiles the
-bf16 exchanges of a bfloat16 model as f32. The report then says so and also
-gives the bytes at the model's dtype (what an accelerator sends).
+XLA:CPU has no bf16 or f8 collectives: it compiles bf16 exchanges as f32 and f8 ones
+as f16. The report reads each collective's dtype from the program before XLA optimises
+it (`moe_jax.tools.lowered_dtypes`) and counts bytes as a GPU sends them, saying which
+collectives the compiled program widened.
 
 Bytes are what ONE device SENDS per execution of a collective over g devices,
 S = its per-device buffer: all-gather (S = result), reduce-scatter (S =
@@ -50,7 +51,7 @@ from moe_jax import config as config_lib
 from moe_jax.parallel import mesh as mesh_lib
 from moe_jax.plan import comm_volume, param_traffic
 from moe_jax.plan.resolve import check_plan
-from moe_jax.tools import hlo_collectives
+from moe_jax.tools import hlo_collectives, lowered_dtypes
 from moe_jax.train_step import init_state, train_step
 
 CONVENTION = (
@@ -64,8 +65,11 @@ def validated(config: config_lib.Config, num_devices: int) -> config_lib.Config:
     return check_plan(config, num_devices)
 
 
-def compile_step(config: config_lib.Config, compiler_options: dict | None = None) -> str:
-    """HLO text of one compiled training step, laid out and sharded as the trainer does."""
+def compile_step(
+    config: config_lib.Config, compiler_options: dict | None = None
+) -> tuple[str, str]:
+    """(compiled HLO, lowered StableHLO) text of one training step, laid out and sharded
+    as the trainer does."""
     mesh = mesh_lib.make_mesh(config)
     layout = mesh_lib.make_layout(config, mesh)
     graphdef, state = jax.eval_shape(lambda: init_state(config, layout))
@@ -83,8 +87,8 @@ def compile_step(config: config_lib.Config, compiler_options: dict | None = None
         in_shardings=(state_sharding, sharding),
         out_shardings=(state_sharding, None),
     )
-    compiled = step_fn.lower(state, batch).compile(compiler_options=compiler_options)
-    return compiled.as_text()
+    lowered = step_fn.lower(state, batch)
+    return lowered.compile(compiler_options=compiler_options).as_text(), lowered.as_text()
 
 
 def summarize(config: config_lib.Config, collectives: list) -> dict:
@@ -93,12 +97,7 @@ def summarize(config: config_lib.Config, collectives: list) -> dict:
     per_layer = m.num_layers * config.train.grad_accum
     forward = [c for c in collectives if c.role == "activation" and c.pass_ == "forward"]
     measured = {tag: sum(c.total for c in forward if c.tag == tag) for tag in hlo_collectives.TAGS}
-    widened = _widened(config, forward)
-    at_model_dtype = measured["router_stats"] + sum(
-        c.total // 2 if widened and c.dtype == "f32" else c.total
-        for c in forward
-        if c.tag == "token_exchange"
-    )
+    widened = sorted({f"{c.dtype} as {c.compiled_dtype}" for c in forward if c.compiled_dtype})
     predicted = _model(comm_volume.activation_bytes, config)
     paper = _model(comm_volume.paper_bytes, config)
     expected = dict.fromkeys(("predicted", "predicted_attention", "predicted_experts"))
@@ -121,8 +120,7 @@ def summarize(config: config_lib.Config, collectives: list) -> dict:
             "ratio": total / expected["predicted"] if expected["predicted"] else None,
             "measured_token_exchange": measured["token_exchange"] / per_layer,
             "measured_router_stats": measured["router_stats"] / per_layer,
-            "measured_at_model_dtype": at_model_dtype / per_layer,
-            "widened_to_f32": widened,
+            "compiled_wider": widened,
             "paper": None if paper is None else dataclasses.asdict(paper),
         },
         "zero": p.zero,
@@ -147,20 +145,13 @@ def _model(formula, config: config_lib.Config) -> comm_volume.LayerBytes | None:
         return None
 
 
-def _widened(config: config_lib.Config, forward: list) -> bool:
-    """Whether bf16 token exchanges were compiled as f32 (XLA:CPU's float-normalization-bf16
-    pass does this: the CPU backend has no bf16 collectives)."""
-    floats = {c.dtype for c in forward if c.tag == "token_exchange"} & {"f32", "bf16"}
-    return config.model.dtype == "bfloat16" and floats == {"f32"}
-
-
 def report(config: config_lib.Config, compiler_options: dict | None = None) -> dict:
     """Compiles one step of `config` (a loaded, possibly unresolved config) on the current
     devices and reports its collectives; a plan that cannot run raises ValueError."""
     config = validated(config, jax.device_count())
     start = time.perf_counter()
-    hlo = compile_step(config, compiler_options)
-    result = summarize(config, hlo_collectives.parse(hlo))
+    hlo, lowered = compile_step(config, compiler_options)
+    result = summarize(config, lowered_dtypes.as_sent(hlo_collectives.parse(hlo), lowered))
     result["compile_seconds"] = round(time.perf_counter() - start, 1)
     return result
 
@@ -216,13 +207,10 @@ def format_report(result: dict) -> str:
             f"(attention {attention}: {a['paper']['attention']:,.0f}, experts {experts}: "
             f"{a['paper']['experts']:,.0f}; the paper's counting, no capacity padding)"
         )
-    if a["widened_to_f32"]:
-        at_dtype = a["measured_at_model_dtype"]
-        at_ratio = f" (ratio {at_dtype / a['predicted']:.3f})" if a["predicted"] else ""
+    if a["compiled_wider"]:
         lines.append(
-            "  note: the program exchanges bf16, but XLA:CPU's float-normalization-bf16 pass "
-            "compiled those collectives as f32, doubling their bytes; at bf16 measured would "
-            f"be {at_dtype:,.0f}{at_ratio}"
+            "  note: bytes are counted in the dtypes the program sends (read from the lowered "
+            f"program); XLA:CPU compiled {', '.join(a['compiled_wider'])}, which a GPU does not"
         )
     if result["dense_layers"] and a["predicted"] is not None:
         layers, dense = result["num_layers"], result["dense_layers"]

@@ -103,6 +103,10 @@ class Collective:
     count_known: bool = True  # False when a loop on its call chain had no known trip count
     chunk: int | None = None  # the `parallel.overlap_chunks` chunk it belongs to, if any
     ring: int | None = None  # the `parallel.collective_matmul` ring step, if any
+    size: int = 0  # S: bytes of its per-device buffer (see the module docstring)
+    # The dtype XLA compiled it in, where that differs from `dtype`, the one the program
+    # sends it in (`moe_jax.tools.lowered_dtypes`: XLA:CPU widens bf16 and f8).
+    compiled_dtype: str = ""
 
     @property
     def total(self) -> int:
@@ -194,6 +198,7 @@ def parse(hlo_text: str) -> list[Collective]:
                     count_known=known,
                     chunk=chunk,
                     ring=ring,
+                    size=size,
                 )
             )
     return result
