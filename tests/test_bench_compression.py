@@ -1,4 +1,4 @@
-"""`bench/compression.py --small` runs end to end on a (briefly) trained model's tensors
+"""`bench/compression_errors.py --small` runs end to end on a (briefly) trained model's tensors
 and shows what the compressed exchanges are for: scaled FP8 within E4M3's error, an
 unscaled FP8 cotangent lost, and one bf16 rounding (all-to-all, float32 sum) well under
 a ring's rounding at every hop."""
@@ -17,7 +17,7 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 def test_compression_dry_run():
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     done = subprocess.run(
-        [sys.executable, "compression.py", "--small"],
+        [sys.executable, "compression_errors.py", "--small"],
         cwd=BENCH,
         env=env,
         capture_output=True,

@@ -1,8 +1,11 @@
 """Error of each compressed exchange on a trained model's own tensors, beside the naive
 alternatives, against float32.
 
-    python bench/compression.py [--steps 300]     # trains the default config first
-    python bench/compression.py --small           # a quick dry run (20 steps)
+    python bench/compression_errors.py [--steps 300]   # trains the default config first
+    python bench/compression_errors.py --small         # a quick dry run (20 steps)
+
+(Not `compression.py`: a module of that name in `bench/` would stand in for the one
+orbax's dependencies import, for every script here.)
 
 1. Trains `configs/default.py` on the embedded corpus for --steps (one CPU device) and
    restores its last checkpoint: the distributions come from a trained model, not
@@ -34,22 +37,18 @@ import tempfile
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# This file's name is a module orbax imports (via zstandard's `compression`): keep the
-# script's own folder off the import path.
-_here = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _here]
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-from moe_jax import config as config_lib  # noqa: E402
-from moe_jax import trainer  # noqa: E402
-from moe_jax.checkpoint import Checkpointer  # noqa: E402
-from moe_jax.data import pipeline  # noqa: E402
-from moe_jax.parallel.fp8_exchange import E4M3, dequantize, quantize  # noqa: E402
-from moe_jax.parallel.layout import SINGLE_DEVICE, Layout  # noqa: E402
-from moe_jax.train_step import gradients, init_state  # noqa: E402
+from moe_jax import config as config_lib
+from moe_jax import trainer
+from moe_jax.checkpoint import Checkpointer
+from moe_jax.data import pipeline
+from moe_jax.parallel.fp8_exchange import E4M3, dequantize, quantize
+from moe_jax.parallel.layout import SINGLE_DEVICE, Layout
+from moe_jax.train_step import gradients, init_state
 
 ROOT = Path(__file__).resolve().parents[1]
 DEVICES = 8  # data-parallel devices whose gradients are summed
