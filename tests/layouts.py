@@ -125,6 +125,16 @@ def assert_trees_close(got, want, rtol: float = 1e-5, atol_scale: float | None =
         )
 
 
+def assert_leaves_close_in_norm(got, want, rtol: float) -> None:
+    """Each leaf within `rtol` of its reference in norm (||got - want|| <= rtol ||want||),
+    for forms that sum in another order (or round) where terms cancel elementwise."""
+    pairs = zip(jax.tree.leaves_with_path(want), jax.tree.leaves(got), strict=True)
+    for (path, expected), actual in pairs:
+        expected, actual = np.asarray(expected, np.float64), np.asarray(actual, np.float64)
+        error = np.linalg.norm(actual - expected) / np.linalg.norm(expected)
+        assert error <= rtol, f"{jax.tree_util.keystr(path)}: relative error {error:.2e}"
+
+
 def loss_and_grads(config: Config, layout):
     """Loss, metrics and gradients of one forward + backward under `layout` (for layouts
     built by hand, e.g. with an emulated collective)."""

@@ -5,27 +5,11 @@ a ring's rounding at every hop."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+from tests.bench_runner import run_bench
 
 
 def test_compression_dry_run():
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    done = subprocess.run(
-        [sys.executable, "compression_errors.py", "--small"],
-        cwd=BENCH,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = run_bench("compression_errors.py", "--small")
     forward, backward = report["forward_payload"], report["backward_cotangent"]
     assert 0.01 < forward["fp8_1x128_scaled"] < 0.035  # E4M3: 3 mantissa bits
     assert forward["bf16"] < 0.004 and backward["bf16"] < 0.004

@@ -3,27 +3,11 @@ and finds every chunk's exchanges and every ring step's in the compiled program.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+from tests.bench_runner import run_bench
 
 
 def test_gpu_overlap_dry_run():
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    done = subprocess.run(
-        [sys.executable, "gpu_overlap.py", "--small"],
-        cwd=BENCH,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = run_bench("gpu_overlap.py", "--small")
     assert report["ok"] and report["runs_on"] == "cpu"
     for experts in ("ep_ag", "ep_a2a"):
         one = report["schedule"][f"dp+{experts}/C1"]["exchanges"]

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from moe_jax.tools import hlo_collectives
-from tests.layouts import BASE, planned, with_plan
+from tests.layouts import BASE, assert_leaves_close_in_norm, planned, with_plan
 
 # A dense first layer and a shared expert, so that tp's MLP ring runs too.
 DENSE = dataclasses.replace(
@@ -28,23 +28,14 @@ def _ring(config, chunks: int = 1):
     return dataclasses.replace(config, parallel=parallel)
 
 
-def _assert_leaves_close(got, want, rtol: float) -> None:
-    """Each leaf within `rtol` of its reference in norm (||got - want|| <= rtol ||want||):
-    the rings sum the partial results of the group in another order than XLA's
-    collectives, and a float32 sum's rounding differs elementwise where terms cancel."""
-    pairs = zip(jax.tree.leaves_with_path(want), jax.tree.leaves(got), strict=True)
-    for (path, expected), actual in pairs:
-        expected, actual = np.asarray(expected, np.float64), np.asarray(actual, np.float64)
-        error = np.linalg.norm(actual - expected) / np.linalg.norm(expected)
-        assert error <= rtol, f"{jax.tree_util.keystr(path)}: relative error {error:.2e}"
-
-
 def _assert_same_numbers(got, want) -> None:
     for key in ("loss", "lm_loss", "aux_loss", "seq_aux_loss", "z_loss"):
         np.testing.assert_allclose(got.metrics[key], want.metrics[key], rtol=1e-6, err_msg=key)
     np.testing.assert_array_equal(got.metrics["load"], want.metrics["load"])
-    _assert_leaves_close(got.grads, want.grads, 1e-6)
-    _assert_leaves_close(jax.device_get(got.state.params), jax.device_get(want.state.params), 1e-6)
+    assert_leaves_close_in_norm(got.grads, want.grads, 1e-6)
+    assert_leaves_close_in_norm(
+        jax.device_get(got.state.params), jax.device_get(want.state.params), 1e-6
+    )
 
 
 # Every layout with a ring form, on intra groups of 4 and 8: tp attention and MLPs, sp
@@ -62,7 +53,8 @@ PLANS = [
 @pytest.mark.parametrize("attention,experts,data,intra,base", PLANS)
 def test_rings_give_the_numbers_of_the_collectives(attention, experts, data, intra, base):
     """Loss, its parts, every gradient and the parameters after three AdamW steps within
-    1e-6 of the same plan with plain collectives (dropless routing)."""
+    1e-6 of the same plan with plain collectives (dropless routing; leaves in norm: the
+    rings sum the group's partial results in another order than XLA's collectives)."""
     one = with_plan(attention, data, intra, experts, base=base)
     _assert_same_numbers(planned(_ring(one)), planned(one))
 
