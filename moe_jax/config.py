@@ -160,6 +160,10 @@ class ParallelConfig:
     # Dtype of token movements: 'native' (the compute dtype) or 'fp8' (E4M3 payload with
     # float32 scales per token and 128 channels; the backward in the compute dtype).
     token_dtype: str = "native"
+    # Gradients summed over devices: 'fp32', or 'bf16_a2a' (each device's float32
+    # gradient rounded once to bf16, exchanged by all-to-all into shards, summed in
+    # float32; intra group first, then 'data').
+    grad_exchange: str = "fp32"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -386,6 +390,12 @@ def _validate_parallel(p: ParallelConfig) -> None:
         "parallel.token_dtype",
         p.token_dtype,
         "valid: native or fp8",
+    )
+    _check(
+        p.grad_exchange in ("fp32", "bf16_a2a"),
+        "parallel.grad_exchange",
+        p.grad_exchange,
+        "valid: fp32 or bf16_a2a",
     )
     _check(p.gpu.lower() in gpus, "parallel.gpu", p.gpu, f"valid: {gpus}")
     _check(p.zero in (0, 1), "parallel.zero", p.zero, "valid: 0 or 1 (fsdp covers weights)")

@@ -131,6 +131,12 @@ MEANINGS: dict[str, str] = {
         "E4M3 payload with float32 scales per token and 128 channels (dequantised on "
         "arrival); their backward, the combines and every reduction stay in the compute dtype"
     ),
+    "parallel.grad_exchange": (
+        "how gradients are summed over devices: `fp32` (XLA's float32 reductions) or "
+        "`bf16_a2a`: each device's float32 gradient rounded once to bf16, sent to its shards' "
+        "owners by all-to-all (over the intra group, then over `data`) and summed in float32; "
+        "FSDP's gathers get the same backward. Not with `parallel.vocab_parallel` yet"
+    ),
     "parallel.ag_threshold": "`auto` picks `ep_ag` when `moe.top_k / parallel.intra` exceeds this",
     "parallel.intra": "n: devices of one intra-node group (experts and sequence split over it)",
     "parallel.data": "data-parallel groups; `0` uses every device not taken by `intra`",

@@ -20,6 +20,8 @@ from moe_jax.model.loss import auto_chunks
 from moe_jax.model.transformer import Transformer
 from moe_jax.moe.balancing import update_bias
 from moe_jax.moe.block import RouterBias
+from moe_jax.parallel import grad_exchange
+from moe_jax.parallel import mesh as mesh_lib
 from moe_jax.parallel.layout import SINGLE_DEVICE, Layout
 
 
@@ -152,21 +154,43 @@ def loss_fn(params, biases, graphdef, batch, config: Config):
 
 
 def gradients(state: TrainState, graphdef, batch, config: Config):
-    """Mean loss metrics and gradients over `grad_accum` micro-batches."""
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    """Mean loss metrics and gradients over `grad_accum` micro-batches. With
+    `parallel.grad_exchange='bf16_a2a'` they are computed per device and the gradients
+    summed by `moe_jax.parallel.grad_exchange` (placed as it leaves them)."""
+    layout = nnx.merge(graphdef, state.params, state.biases).layout
+    if layout.grad_exchange == "fp32":
+        return accumulated(state.params, state.biases, graphdef, batch, config, loss_fn)
+    specs = jax.tree.map(lambda s: s.spec, mesh_lib.state_shardings(state.params, layout))
+
+    def per_device(params, biases, batch, loss_of):
+        return accumulated(params, biases, graphdef, batch, config, loss_of(loss_fn))
+
+    return grad_exchange.step_gradients(
+        layout, per_device, state.params, state.biases, batch, specs
+    )
+
+
+def accumulated(params, biases, graphdef, batch, config: Config, loss):
+    """`loss`'s metrics and gradients, accumulated over `grad_accum` micro-batches."""
+    grad_fn = jax.value_and_grad(loss, has_aux=True)
     micro = config.train.grad_accum
     if micro == 1:
-        (_, metrics), grads = grad_fn(state.params, state.biases, graphdef, batch, config)
+        (_, metrics), grads = grad_fn(params, biases, graphdef, batch, config)
         return metrics, grads
     split = jax.tree.map(lambda x: x.reshape(micro, x.shape[0] // micro, *x.shape[1:]), batch)
 
     def accumulate(total, micro_batch):
-        (_, metrics), grads = grad_fn(state.params, state.biases, graphdef, micro_batch, config)
+        (_, metrics), grads = grad_fn(params, biases, graphdef, micro_batch, config)
         return jax.tree.map(jnp.add, total, (metrics, grads)), None
 
     first = jax.tree.map(lambda x: x[0], split)
-    shapes = jax.eval_shape(lambda: grad_fn(state.params, state.biases, graphdef, first, config))
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (shapes[0][1], shapes[1]))
+    shapes = jax.eval_shape(lambda: grad_fn(params, biases, graphdef, first, config))
+    # Gradients start as zeros like the parameters: inside a shard_map they then vary
+    # over the same mesh axes as the gradients the scan adds to them.
+    zeros = (
+        jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[0][1]),
+        jax.tree.map(jnp.zeros_like, params),
+    )
     total, _ = jax.lax.scan(accumulate, zeros, split)
     metrics, grads = jax.tree.map(lambda x: x / micro, total)
     if "load" in metrics:

@@ -110,7 +110,7 @@ class Transformer(nnx.Module):
     def features(self, tokens: jax.Array) -> tuple[jax.Array, MoEStats | None]:
         """tokens [batch, seq] -> (the final-normed hidden states, stacked MoE stats)."""
         dtype = jnp.dtype(self.cfg.dtype)
-        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        positions = self.layout.positions(tokens)
         x = self.embed(tokens, dtype)
         stats = None
         if self.dense is not None:

@@ -67,9 +67,7 @@ def run_block(layout, body, x: jax.Array, params):
         weights = gather_weights(layout, params.experts, expert_impls.AXES)
         return body(x, dataclasses.replace(params, experts=weights))
 
-    return jax.shard_map(
-        gathered, mesh=layout.mesh, in_specs=(x_spec, param_spec), out_specs=(x_spec, P())
-    )(x, params)
+    return layout.block_map(gathered, (x_spec, param_spec), (x_spec, P()))(x, params)
 
 
 def exchange_block(layout, forward, x: jax.Array, params, cfg):

@@ -14,6 +14,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from moe_jax.parallel import checks
+from moe_jax.parallel.grad_exchange import gather_over_data
 from moe_jax.parallel.layout import ALL, DATA
 from moe_jax.parallel.spec import AttentionSpec
 
@@ -26,11 +27,12 @@ def _over_data(axis) -> bool:
 
 def gather_weights(layout, weights, axes):
     """The weights with their 'data' split gathered, as stored (float32): their transpose,
-    the gradient reduce-scatter, then runs in float32 too. Used inside `shard_map`."""
+    the gradient reduce-scatter (or `parallel.grad_exchange`'s bf16 all-to-all), then
+    sums in float32 too. Used inside `shard_map`."""
 
     def gather(w, names):
         dims = [i for i, axis in enumerate(layout.param_spec(names)) if _over_data(axis)]
-        return jax.lax.all_gather(w, DATA, axis=dims[0], tiled=True) if dims else w
+        return gather_over_data(layout, w, dims[0]) if dims else w
 
     return jax.tree.map(gather, weights, axes, is_leaf=lambda t: isinstance(t, tuple))
 
@@ -41,9 +43,7 @@ def fsdp_attention(layout, block, x, positions, weights, axes, attend):
 
     spec = layout.activation_spec()
     in_specs = (spec, P(*spec[:2]), layout.weight_specs(axes))
-    return jax.shard_map(body, mesh=layout.mesh, in_specs=in_specs, out_specs=spec)(
-        x, positions, weights
-    )
+    return layout.block_map(body, in_specs, spec)(x, positions, weights)
 
 
 def fsdp_mlp(layout, block, x, weights, axes):
@@ -52,7 +52,7 @@ def fsdp_mlp(layout, block, x, weights, axes):
 
     spec = layout.activation_spec()
     in_specs = (spec, layout.weight_specs(axes))
-    return jax.shard_map(body, mesh=layout.mesh, in_specs=in_specs, out_specs=spec)(x, weights)
+    return layout.block_map(body, in_specs, spec)(x, weights)
 
 
 def _problems(config) -> list[str]:

@@ -13,6 +13,8 @@ blocks split experts over 'expert' and each expert's width over 'tensor'.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 from functools import partial
@@ -33,10 +35,28 @@ ALL = (DATA, *INTRA)
 # statistics combined across devices, and the vocabulary-parallel loss's gathers and
 # reductions. Other collectives serve parameters.
 TOKEN_EXCHANGE, ROUTER_STATS, LOSS_EXCHANGE = "token_exchange", "router_stats", "loss_exchange"
+# `parallel.grad_exchange='bf16_a2a'`'s gradient all-to-alls (`moe_jax.parallel.grad_exchange`).
+GRAD_EXCHANGE = "grad_exchange"
 # Chunk c of a block run in `parallel.overlap_chunks` pieces is under scope f"{CHUNK}{c}".
 CHUNK = "chunk"
 # Step i of a collective matmul's ring (`parallel.collective_matmul`) is under f"{RING}{i}".
 RING = "ring"
+
+
+# Set while the step is traced inside one shard_map over the whole mesh
+# (`moe_jax.parallel.grad_exchange`): every array is then already per device, so each
+# block's own shard_map becomes a plain call of its body.
+_STEP_MAPPED = contextvars.ContextVar("step_mapped", default=False)
+
+
+@contextlib.contextmanager
+def step_mapped():
+    """Trace the blocks as per-device bodies: the caller runs them in its own shard_map."""
+    token = _STEP_MAPPED.set(True)
+    try:
+        yield
+    finally:
+        _STEP_MAPPED.reset(token)
 
 
 def local_attention_block(layout: Layout, block, x, positions, weights, axes, attend):
@@ -91,6 +111,30 @@ class Layout:
     # parallel.token_dtype: 'fp8' sends token movements as E4M3 with scales
     # (`moe_jax.parallel.fp8_exchange.token_collective`).
     token_dtype: str = "native"
+    # parallel.grad_exchange: 'bf16_a2a' sums the gradients reduced over devices as bf16
+    # shards in float32 (`moe_jax.parallel.grad_exchange`), FSDP gathers' included.
+    grad_exchange: str = "fp32"
+
+    def block_map(self, body, in_specs, out_specs):
+        """`body` run per device by a shard_map over the mesh with these specs; inside the
+        step-wide shard_map of `parallel.grad_exchange` the body itself, since its
+        arguments are already the per-device pieces those specs describe."""
+        if _STEP_MAPPED.get():
+            return body
+        return jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)
+
+    def positions(self, tokens: jax.Array) -> jax.Array:
+        """Sequence positions of `tokens` [b, s]: as the attention blocks are handed them.
+        Per device (inside the step-wide shard_map) that is the device's own block of
+        positions, or the whole sequence for a layout whose blocks gather it."""
+        b, s = tokens.shape
+        start = 0
+        if _STEP_MAPPED.get() and self.seq_axes:
+            if self.attention_spec.gathers_sequence:
+                s *= self.size(self.seq_axes)
+            else:
+                start = jax.lax.axis_index(self.seq_axes) * s
+        return jnp.broadcast_to(start + jnp.arange(s), (b, s))
 
     # Each block kind runs under a name scope of its own, so the compiled
     # program says which block a collective belongs to.

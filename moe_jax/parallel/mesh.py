@@ -47,6 +47,7 @@ def make_layout(config: Config, mesh: Mesh) -> Layout:
         overlap_chunks=config.parallel.overlap_chunks,
         collective_matmul=config.parallel.collective_matmul,
         token_dtype=config.parallel.token_dtype,
+        grad_exchange=config.parallel.grad_exchange,
         vocab_spec=registry.vocab_spec(config),
     )
 

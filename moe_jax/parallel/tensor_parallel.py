@@ -67,9 +67,7 @@ def tp_attention(layout, block, x, positions, weights, axes, attend):
 
     spec = layout.activation_spec()
     in_specs = (spec, P(spec[0], None), layout.weight_specs(axes))
-    return jax.shard_map(body, mesh=layout.mesh, in_specs=in_specs, out_specs=spec)(
-        x, positions, weights
-    )
+    return layout.block_map(body, in_specs, spec)(x, positions, weights)
 
 
 def tp_mlp(layout, block, x, weights, axes):
@@ -86,7 +84,7 @@ def tp_mlp(layout, block, x, weights, axes):
 
     spec = layout.activation_spec()
     in_specs = (spec, layout.weight_specs(axes))
-    return jax.shard_map(body, mesh=layout.mesh, in_specs=in_specs, out_specs=spec)(x, weights)
+    return layout.block_map(body, in_specs, spec)(x, weights)
 
 
 def _rules(config) -> tuple:

@@ -112,9 +112,7 @@ def ulysses_attention(layout, block, x, positions, weights, axes, attend):
 
     spec = layout.activation_spec()
     in_specs = (spec, P(*spec[:2]), layout.weight_specs(axes))
-    return jax.shard_map(body, mesh=layout.mesh, in_specs=in_specs, out_specs=spec)(
-        x, positions, weights
-    )
+    return layout.block_map(body, in_specs, spec)(x, positions, weights)
 
 
 def _problems(config) -> list[str]:

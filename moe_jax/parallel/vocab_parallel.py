@@ -58,7 +58,7 @@ def embed(layout, table: jax.Array, tokens: jax.Array) -> jax.Array:
             return jax.lax.psum_scatter(rows, INTRA, scatter_dimension=axis, tiled=True)
 
     in_specs = (P(INTRA, None), P(*spec[:2]))
-    return jax.shard_map(body, mesh=layout.mesh, in_specs=in_specs, out_specs=spec)(table, tokens)
+    return layout.block_map(body, in_specs, spec)(table, tokens)
 
 
 def cross_entropy(layout, x: jax.Array, head: jax.Array, targets: jax.Array) -> jax.Array:
@@ -85,7 +85,7 @@ def cross_entropy(layout, x: jax.Array, head: jax.Array, targets: jax.Array) -> 
             return jax.lax.psum((jnp.log(total) + top - target).sum(), DATA)
 
     in_specs = (spec, P(None, INTRA), P(*spec[:2]))
-    return jax.shard_map(body, mesh=layout.mesh, in_specs=in_specs, out_specs=P())(x, head, targets)
+    return layout.block_map(body, in_specs, P())(x, head, targets)
 
 
 def _problems(config) -> list[str]:

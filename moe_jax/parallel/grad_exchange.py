@@ -1,0 +1,148 @@
+"""BF16 gradient exchange summed in float32 (`parallel.grad_exchange='bf16_a2a'`).
+
+A ring reduce-scatter in bf16 rounds its running sum at every hop, n-1 times. Here each
+device's float32 gradient is rounded to bf16 once, split into one shard per device,
+sent to the shards' owners in one all-to-all, and the owner sums the n shards it
+receives in float32: half the bytes of a float32 exchange, one rounding. A gradient
+reduced over the intra group as well as over 'data' (weights replicated there) is
+exchanged over the intra group first, then over 'data' (the paper's hierarchical form:
+nodes are joined by the slower network, which then carries 1/n of the bytes).
+
+To see the unreduced gradients at all, the step's loss and gradients run inside one
+`shard_map` over the whole mesh (`step_gradients`). Every parameter enters as its own
+shard, made device-varying over the mesh axes it is replicated on, so autodiff leaves
+each device its partial gradient; the blocks' own shard_maps become plain calls of
+their bodies there (`Layout.block_map`). FSDP's weight gathers get the same exchange as
+the transpose of their all-gather (`gather_over_data`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from moe_jax.parallel.layout import ALL, DATA, GRAD_EXCHANGE, INTRA, Layout, step_mapped
+
+
+def _used(spec: P) -> set[str]:
+    return {a for axis in spec for a in ((axis,) if isinstance(axis, str) else axis or ())}
+
+
+def summed_over(spec: P) -> tuple[tuple[str, ...], ...]:
+    """The stages that sum a gradient whose parameter is placed by `spec`: the mesh axes
+    it is replicated on, the intra group's first, then 'data' (either may be absent)."""
+    used = _used(spec)
+    intra = tuple(a for a in INTRA if a not in used)
+    return tuple(stage for stage in (intra, () if DATA in used else (DATA,)) if stage)
+
+
+def _divides(layout: Layout, spec: P, shape: tuple[int, ...]) -> int | None:
+    """The first dimension whose per-device size the exchange group divides (its shards
+    are cut there), or None."""
+    group = math.prod(layout.size(stage) for stage in summed_over(spec))
+    for dim, (size, axis) in enumerate(zip(shape, (*spec, *[None] * len(shape)), strict=False)):
+        held = size // (layout.size(axis) if axis else 1)
+        if held % group == 0:
+            return dim
+    return None
+
+
+def reduced_spec(layout: Layout, spec: P, shape: tuple[int, ...]) -> P:
+    """Where a reduced gradient lives: its parameter's spec, with the cut dimension also
+    split over the summed axes (the intra group major, as exchanged)."""
+    stages = summed_over(spec)
+    dim = _divides(layout, spec, shape)
+    if not stages or dim is None:
+        return spec
+    full = [*spec, *[None] * (len(shape) - len(spec))]
+    own = full[dim]
+    own = () if own is None else ((own,) if isinstance(own, str) else tuple(own))
+    full[dim] = (*own, *(a for stage in stages for a in stage))
+    return P(*full)
+
+
+def sum_shards(g: jax.Array, axes: tuple[str, ...], dim: int) -> jax.Array:
+    """Each device's float32 `g` cut along `dim` into one shard per device of `axes`,
+    sent as bf16 in one all-to-all; returns the float32 sum of this device's shard."""
+    n = math.prod(jax.lax.axis_size(a) for a in axes)
+    parts = g.reshape(*g.shape[:dim], n, g.shape[dim] // n, *g.shape[dim + 1 :])
+    received = jax.lax.all_to_all(parts.astype(jnp.bfloat16), axes, dim, dim)
+    return received.astype(jnp.float32).sum(dim)
+
+
+def exchange(layout: Layout, g: jax.Array, spec: P, shape: tuple[int, ...]) -> jax.Array:
+    """A device's partial gradient -> its shard of the sum (`reduced_spec`). A gradient
+    that no dimension lets the group cut evenly is summed in float32 instead."""
+    stages = summed_over(spec)
+    dim = _divides(layout, spec, shape)
+    with jax.named_scope(GRAD_EXCHANGE):
+        if dim is None:
+            return jax.lax.psum(g, tuple(a for stage in stages for a in stage)) if stages else g
+        for stage in stages:
+            g = sum_shards(g, stage, dim)
+        return g
+
+
+def gather_over_data(layout: Layout, w: jax.Array, dim: int) -> jax.Array:
+    """FSDP's all-gather of a weight over 'data'; under 'bf16_a2a' its transpose (the
+    gradient's reduce-scatter) is `sum_shards` instead."""
+    gather = lambda w: jax.lax.all_gather(w, DATA, axis=dim, tiled=True)
+    if layout.grad_exchange != "bf16_a2a":
+        return gather(w)
+
+    @jax.custom_vjp
+    def gathered(w):
+        return gather(w)
+
+    def backward(_, g):
+        with jax.named_scope(GRAD_EXCHANGE):
+            return (sum_shards(g.astype(jnp.float32), (DATA,), dim).astype(w.dtype),)
+
+    gathered.defvjp(lambda w: (gather(w), None), backward)
+    return gathered(w)
+
+
+def _mean(tree):
+    return jax.tree.map(lambda x: jax.lax.pmean(x, ALL), tree)
+
+
+def step_gradients(layout: Layout, gradients, params, biases, batch, specs):
+    """`gradients(params, biases, batch, loss_of) -> (metrics, grads)` run per device in
+    one shard_map over the mesh: `loss_of(loss_fn)` makes the mean over all devices of
+    a loss computed on one device's tokens. Returns the metrics and the gradients summed
+    by `exchange`, each placed by `reduced_spec`."""
+    shapes = jax.tree.map(lambda p: p.shape, params)
+    is_spec = lambda s: isinstance(s, P)
+    out_specs = jax.tree.map(
+        lambda s, shape: reduced_spec(layout, s, shape), specs, shapes, is_leaf=is_spec
+    )
+    batch_spec = layout.activation_spec(rank=2)
+
+    def loss_of(loss_fn):
+        def mean_loss(*args):
+            loss, metrics = loss_fn(*args)
+            return jax.lax.pmean(loss, ALL), _mean(metrics)
+
+        return mean_loss
+
+    def body(params, biases, batch):
+        def varying(spec, p):
+            axes = tuple(a for stage in summed_over(spec) for a in stage)
+            return jax.lax.pcast(p, axes, to="varying") if axes else p
+
+        params = jax.tree.map(varying, specs, params, is_leaf=is_spec)
+        with step_mapped():
+            metrics, grads = gradients(params, biases, batch, loss_of)
+        reduce = lambda s, g, shape: exchange(layout, g, s, shape)
+        return metrics, jax.tree.map(reduce, specs, grads, shapes, is_leaf=is_spec)
+
+    bias_specs = jax.tree.map(lambda _: P(), biases)
+    return jax.shard_map(
+        body,
+        mesh=layout.mesh,
+        in_specs=(specs, bias_specs, jax.tree.map(lambda _: batch_spec, batch)),
+        out_specs=(P(), out_specs),
+    )(params, biases, batch)
