@@ -165,9 +165,10 @@ def gradients(state: TrainState, graphdef, batch, config: Config):
     def per_device(params, biases, batch, loss_of):
         return accumulated(params, biases, graphdef, batch, config, loss_of(loss_fn))
 
-    return grad_exchange.step_gradients(
+    metrics, grads = grad_exchange.step_gradients(
         layout, per_device, state.params, state.biases, batch, specs
     )
+    return metrics, grad_exchange.gather_sums(layout, grads, specs)
 
 
 def accumulated(params, biases, graphdef, batch, config: Config, loss):

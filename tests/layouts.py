@@ -96,7 +96,7 @@ def _run(config: Config, layout) -> Run:
     first = jax.device_get((metrics, grads))
     for _ in range(STEPS - 1):
         state, _, _ = compiled(state, inputs)
-    return Run(config, *first, state, compiled.as_text(), lowered.as_text())
+    return Run(config, *first, state, compiled.as_text(), lowered.as_text(debug_info=True))
 
 
 @functools.cache

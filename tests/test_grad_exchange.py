@@ -21,9 +21,7 @@ from jax.sharding import PartitionSpec as P
 from moe_jax.model.transformer import Transformer
 from moe_jax.moe.block import RouterBias
 from moe_jax.parallel import grad_exchange
-from moe_jax.parallel import mesh as mesh_lib
 from moe_jax.parallel.layout import DATA, GRAD_EXCHANGE
-from moe_jax.plan.resolve import check_plan
 from moe_jax.tools import hlo_collectives, lowered_dtypes
 from moe_jax.train_step import loss_fn
 from tests.layouts import BASE, assert_leaves_close_in_norm, batch, planned, with_plan
@@ -141,16 +139,15 @@ def test_one_rounding_beats_a_rounding_per_hop_on_real_gradients():
 
 
 def test_shards_are_cut_where_the_group_divides_the_intra_group_first():
-    config = check_plan(_with_bf16_exchange(PLANS["tp+etp,zero1"]), jax.device_count())
-    layout = mesh_lib.make_layout(config, mesh_lib.make_mesh(config))
+    sizes = {"data": 2, "expert": 2, "tensor": 2}
     intra = ("expert", "tensor")
     # replicated everywhere: summed over the intra group, then over data (hierarchical)
     assert grad_exchange.summed_over(P(None)) == (intra, ("data",))
-    assert grad_exchange.reduced_spec(layout, P(None, None), (3, 64)) == P(None, (*intra, "data"))
+    assert grad_exchange.reduced_spec(sizes, P(None, None), (3, 64)) == P(None, (*intra, "data"))
     # already split over the intra group: only data is summed, cut below that split
     assert grad_exchange.summed_over(P(intra, None)) == (("data",),)
-    assert grad_exchange.reduced_spec(layout, P(intra, None), (8, 3)) == P((*intra, "data"), None)
+    assert grad_exchange.reduced_spec(sizes, P(intra, None), (8, 3)) == P((*intra, "data"), None)
     # split over data (FSDP): its gather's transpose sums it; nothing is left to do
     assert grad_exchange.summed_over(P("data", intra)) == ()
     # no dimension the group divides: kept whole, summed in float32
-    assert grad_exchange.reduced_spec(layout, P(None), (7,)) == P(None)
+    assert grad_exchange.reduced_spec(sizes, P(None), (7,)) == P(None)

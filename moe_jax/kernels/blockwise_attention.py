@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from moe_jax.kernels.varying import varying_zeros
+
 MAX_BLOCK = 512  # positions per block at most (see block_size)
 # The name of the output and logsumexp the backward reads, so that a remat policy can
 # keep them (`moe_jax.model.remat`) instead of re-running the forward.
@@ -39,10 +41,7 @@ def block_size(s: int) -> int:
 
 
 def _zeros(shape: tuple[int, ...], *like: jax.Array) -> jax.Array:
-    """float32 zeros plus an exact zero taken from each of `like`: inside shard_map a
-    loop carry must vary over the same mesh axes as the values written into it."""
-    zero = sum(jnp.zeros_like(x.reshape(-1)[0], F32) for x in like)
-    return jnp.zeros(shape, F32) + zero
+    return varying_zeros(shape, F32, *like)
 
 
 def _block(x: jax.Array, index: jax.Array, c: int) -> jax.Array:

@@ -20,22 +20,16 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from moe_jax.kernels.varying import varying_like
+
 
 def ragged_gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """[M, d] x [E, d, f] -> [M, f] for rows grouped by `group_sizes` [E]."""
     return jax.lax.ragged_dot(x, w, group_sizes.astype(jnp.int32))
 
 
-def _varying_like(init, *refs):
-    """`init` plus an exact zero taken from each of `refs`. Inside shard_map this gives
-    the loop carry the same manual-axis type as the values the loop writes into it;
-    elsewhere it changes nothing."""
-    zero = sum(jnp.zeros_like(r.reshape(-1)[0]) for r in refs)
-    return jax.tree.map(lambda a: a + zero.astype(a.dtype), init)
-
-
 def _tile_loop(num_tiles: jax.Array, body, init, *refs):
-    return jax.lax.fori_loop(0, num_tiles, body, _varying_like(init, num_tiles, *refs))
+    return jax.lax.fori_loop(0, num_tiles, body, varying_like(init, num_tiles, *refs))
 
 
 def tiled_gmm(
@@ -48,7 +42,7 @@ def tiled_gmm(
     # Inside shard_map, x and w may vary over different mesh axes (tokens over the
     # data axis, experts over the intra axis). Giving both the same type first lets
     # JAX's own transpose reduce w's gradient over the axes w does not vary on.
-    x, w = _varying_like(x, w), _varying_like(w, x)
+    x, w = varying_like(x, w), varying_like(w, x)
     return _tiled_gmm(x, w, tile_expert, num_tiles, tile)
 
 

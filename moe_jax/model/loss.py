@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from moe_jax.kernels.varying import varying_zeros
+
 # Auto chunking keeps one chunk's float32 logits (for the whole batch) under this size,
 # and chunks at least this many positions long.
 MAX_CHUNK_LOGITS_BYTES = 256 * 2**20
@@ -62,5 +64,5 @@ def chunked_cross_entropy(
     def body(total, chunk):
         return total + one_chunk(*chunk), None
 
-    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (xs, ts))
+    total, _ = jax.lax.scan(body, varying_zeros((), jnp.float32, x, head), (xs, ts))
     return total / (b * s)

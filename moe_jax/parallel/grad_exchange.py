@@ -19,6 +19,7 @@ the transpose of their all-gather (`gather_over_data`).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -39,22 +40,25 @@ def summed_over(spec: P) -> tuple[tuple[str, ...], ...]:
     return tuple(stage for stage in (intra, () if DATA in used else (DATA,)) if stage)
 
 
-def _divides(layout: Layout, spec: P, shape: tuple[int, ...]) -> int | None:
-    """The first dimension whose per-device size the exchange group divides (its shards
-    are cut there), or None."""
-    group = math.prod(layout.size(stage) for stage in summed_over(spec))
+def _devices(sizes: Mapping[str, int], axis) -> int:
+    return math.prod(sizes[a] for a in ((axis,) if isinstance(axis, str) else axis or ()))
+
+
+def cut_dimension(sizes: Mapping[str, int], spec: P, shape: tuple[int, ...]) -> int | None:
+    """The first dimension whose per-device size the exchange group divides (shards are
+    cut there), or None. `sizes`: the mesh's axis sizes."""
+    group = math.prod(_devices(sizes, stage) for stage in summed_over(spec))
     for dim, (size, axis) in enumerate(zip(shape, (*spec, *[None] * len(shape)), strict=False)):
-        held = size // (layout.size(axis) if axis else 1)
-        if held % group == 0:
+        if (size // _devices(sizes, axis)) % group == 0:
             return dim
     return None
 
 
-def reduced_spec(layout: Layout, spec: P, shape: tuple[int, ...]) -> P:
+def reduced_spec(sizes: Mapping[str, int], spec: P, shape: tuple[int, ...]) -> P:
     """Where a reduced gradient lives: its parameter's spec, with the cut dimension also
     split over the summed axes (the intra group major, as exchanged)."""
     stages = summed_over(spec)
-    dim = _divides(layout, spec, shape)
+    dim = cut_dimension(sizes, spec, shape)
     if not stages or dim is None:
         return spec
     full = [*spec, *[None] * (len(shape) - len(spec))]
@@ -73,17 +77,46 @@ def sum_shards(g: jax.Array, axes: tuple[str, ...], dim: int) -> jax.Array:
     return received.astype(jnp.float32).sum(dim)
 
 
-def exchange(layout: Layout, g: jax.Array, spec: P, shape: tuple[int, ...]) -> jax.Array:
+def exchange(sizes: Mapping[str, int], g: jax.Array, spec: P, shape: tuple[int, ...]) -> jax.Array:
     """A device's partial gradient -> its shard of the sum (`reduced_spec`). A gradient
     that no dimension lets the group cut evenly is summed in float32 instead."""
     stages = summed_over(spec)
-    dim = _divides(layout, spec, shape)
+    dim = cut_dimension(sizes, spec, shape)
     with jax.named_scope(GRAD_EXCHANGE):
         if dim is None:
-            return jax.lax.psum(g, tuple(a for stage in stages for a in stage)) if stages else g
+            return jax.lax.psum(g, _axes(spec)) if stages else g
         for stage in stages:
             g = sum_shards(g, stage, dim)
         return g
+
+
+def _axes(spec: P) -> tuple[str, ...]:
+    return tuple(a for stage in summed_over(spec) for a in stage)
+
+
+def gather_sums(layout: Layout, grads, specs):
+    """The summed shards (`step_gradients`) gathered back in float32 to their parameters'
+    placement `specs`: a copy, not a sum, once per step, where the update reads them
+    (left to XLA, the update ran on the shards and gathered parameters and both moments
+    instead). Its own shard_map without the replication check: an all-gather's result is
+    the same on every device of its group, which the check cannot see."""
+    sizes, is_spec = layout.mesh.shape, lambda s: isinstance(s, P)
+    shapes = jax.tree.map(lambda g: g.shape, grads)
+
+    def gather(spec, g, shape):
+        dim = cut_dimension(sizes, spec, shape)
+        if dim is None or not _axes(spec):
+            return g
+        with jax.named_scope(GRAD_EXCHANGE):
+            return jax.lax.all_gather(g, _axes(spec), axis=dim, tiled=True)
+
+    body = lambda grads: jax.tree.map(gather, specs, grads, shapes, is_leaf=is_spec)
+    reduced = jax.tree.map(
+        lambda s, shape: reduced_spec(sizes, s, shape), specs, shapes, is_leaf=is_spec
+    )
+    return jax.shard_map(
+        body, mesh=layout.mesh, in_specs=(reduced,), out_specs=specs, check_vma=False
+    )(grads)
 
 
 def gather_over_data(layout: Layout, w: jax.Array, dim: int) -> jax.Array:
@@ -117,7 +150,7 @@ def step_gradients(layout: Layout, gradients, params, biases, batch, specs):
     shapes = jax.tree.map(lambda p: p.shape, params)
     is_spec = lambda s: isinstance(s, P)
     out_specs = jax.tree.map(
-        lambda s, shape: reduced_spec(layout, s, shape), specs, shapes, is_leaf=is_spec
+        lambda s, shape: reduced_spec(layout.mesh.shape, s, shape), specs, shapes, is_leaf=is_spec
     )
     batch_spec = layout.activation_spec(rank=2)
 
@@ -130,13 +163,12 @@ def step_gradients(layout: Layout, gradients, params, biases, batch, specs):
 
     def body(params, biases, batch):
         def varying(spec, p):
-            axes = tuple(a for stage in summed_over(spec) for a in stage)
-            return jax.lax.pcast(p, axes, to="varying") if axes else p
+            return jax.lax.pcast(p, _axes(spec), to="varying") if _axes(spec) else p
 
         params = jax.tree.map(varying, specs, params, is_leaf=is_spec)
         with step_mapped():
             metrics, grads = gradients(params, biases, batch, loss_of)
-        reduce = lambda s, g, shape: exchange(layout, g, s, shape)
+        reduce = lambda s, g, shape: exchange(layout.mesh.shape, g, s, shape)
         return metrics, jax.tree.map(reduce, specs, grads, shapes, is_leaf=is_spec)
 
     bias_specs = jax.tree.map(lambda _: P(), biases)

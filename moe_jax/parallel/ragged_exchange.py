@@ -53,6 +53,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax.config import MoEConfig
+from moe_jax.kernels.varying import varying_zeros
 from moe_jax.moe import dispatch as dsp
 from moe_jax.moe.dispatcher import Dispatched
 from moe_jax.moe.routing import Routing
@@ -107,17 +108,10 @@ def received_experts(counts: jax.Array, bound: int) -> tuple[jax.Array, jax.Arra
     return jnp.where(present, expert, 0), present
 
 
-def _varying_zeros(shape: tuple[int, ...], like: jax.Array) -> jax.Array:
-    """A zero buffer typed as varying over the mesh axes `like` varies over (a zero
-    taken from `like` carries the type). `ragged_all_to_all`'s result takes its type
-    from the buffer it writes into; a buffer typed as replicated would make JAX sum the
-    result's cotangent over devices in the backward pass."""
-    return jnp.zeros(shape, like.dtype) + jnp.zeros_like(like.reshape(-1)[0])
-
-
 def _ragged(rows, out_rows: int, input_offsets, send_sizes, output_offsets, recv_sizes):
     """`ragged_all_to_all` of `rows` over the intra group into a fresh zero buffer."""
-    output = _varying_zeros((out_rows, *rows.shape[1:]), rows)
+    # `ragged_all_to_all`'s result takes its type from the buffer it writes into.
+    output = varying_zeros((out_rows, *rows.shape[1:]), rows.dtype, rows)
     with jax.named_scope(TOKEN_EXCHANGE):
         return jax.lax.ragged_all_to_all(
             rows, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name=INTRA

@@ -656,8 +656,10 @@ class CostModel:
         """(exposed, hidden) seconds per step of the data-parallel gradient sync of one
         stage. "hierarchical" (the paper): once per step, overlapping the last
         micro-batch's backward except the first layer's share (its gradients are ready
-        last). "per_micro_batch" (what XLA compiles for the trainer today): an
-        all-reduce inside every micro-batch's backward, overlapping it the same way."""
+        last). "per_micro_batch" (what XLA compiles for the trainer): an all-reduce
+        inside every micro-batch's backward, overlapping it the same way; with
+        `parallel.grad_exchange='bf16_a2a'` only FSDP's gathers and their exchange stay
+        there, and the summed gradients' exchange runs once, after the backward, exposed."""
         from moe_jax.plan import param_traffic
 
         p = self.plan
@@ -666,9 +668,13 @@ class CostModel:
         if p.grad_sync == "per_micro_batch":
             link = self.data_link if p.data > 1 else self.intra
             sent = param_traffic.gradient_bytes_per_step(self.sized) / p.pp / self.micro_batches
+            after = 0.0  # parallel.grad_exchange='bf16_a2a': once, after the last backward
+            if self.sized.parallel.grad_exchange == "bf16_a2a":
+                per_micro_batch, per_step = param_traffic.bf16_a2a_traffic(self.sized)
+                sent, after = per_micro_batch / p.pp, per_step / p.pp / link.bandwidth
             once = sent / link.bandwidth
             shown = max(once - window, once / layers) if sent else 0.0
-            return shown * self.micro_batches, (once - shown) * self.micro_batches
+            return shown * self.micro_batches + after, (once - shown) * self.micro_batches
         volume = param_traffic.hierarchical_sync_bytes(self.sized)
         scale = comm_volume.DTYPE_BYTES[p.grad_dtype] / PARAM_BYTES  # bf16 exchange: half
         intra = volume["intra"] * scale / p.pp / self.intra.bandwidth

@@ -39,8 +39,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from jax.sharding import PartitionSpec as P
+
 from moe_jax.config import Config
-from moe_jax.parallel import registry
+from moe_jax.parallel import grad_exchange, registry
 from moe_jax.parallel.layout import DATA, EXPERT, INTRA, TENSOR
 from moe_jax.plan.memory import StateArray, device_bytes, mesh_sizes, placement, state_arrays
 
@@ -122,6 +124,47 @@ def parameter_bytes(config: Config, array: StateArray) -> float:
     return _all_reduce(size, math.prod(sizes[a] for a in sizes if a not in splits))
 
 
+def bf16_a2a_bytes(config: Config, array: StateArray) -> tuple[float, float]:
+    """(per micro-batch, per step) bytes one device sends for one parameter under
+    `parallel.grad_exchange='bf16_a2a'` (`moe_jax.parallel.grad_exchange`).
+
+    Per micro-batch: a weight split over 'data' (FSDP, expert FSDP) is gathered in
+    float32 (again in the recompute) and its gradient's bf16 all-to-all over 'data'
+    replaces the reduce-scatter. Per step, the accumulated gradient: a bf16 all-to-all
+    per stage (the intra group on the whole, then 'data' on the 1/n shard), and the
+    summed float32 shards gathered back for the update; a gradient no dimension lets the
+    group cut is all-reduced in float32 instead."""
+    p, m = config.parallel, config.model
+    sizes = mesh_sizes(config)
+    size = device_bytes(config, array)
+    spec = P(*placement(config, array))
+    per_micro_batch = 0.0
+    if DATA in _splits(config, array):
+        gathers = 1 if m.remat == "none" else 2
+        whole = size * p.data
+        per_micro_batch = gathers * _gather(whole, p.data) + _gather(whole / 2, p.data)
+    stages = [math.prod(sizes[a] for a in stage) for stage in grad_exchange.summed_over(spec)]
+    group = math.prod(stages)
+    if group == 1:
+        return per_micro_batch, 0.0
+    if grad_exchange.cut_dimension(sizes, spec, array.shape) is None:
+        return per_micro_batch, _all_reduce(size, group)
+    per_step, shard = 0.0, size / 2
+    for devices in stages:
+        per_step += _gather(shard, devices)
+        shard /= devices
+    return per_micro_batch, per_step + _gather(size, group)
+
+
+def bf16_a2a_traffic(config: Config) -> tuple[float, float]:
+    """(per micro-batch, per step) bytes of `bf16_a2a_bytes` over all parameters, the
+    step's with ZeRO-1's gather of the updated parameters."""
+    params = _params(config)
+    traffic = [bf16_a2a_bytes(config, a) for a in params]
+    zero = sum(_zero_gather(config, a) for a in params)
+    return sum(m for m, _ in traffic), sum(s for _, s in traffic) + zero
+
+
 def _zero_gather(config: Config, array: StateArray) -> float:
     """All-gather of an updated parameter whose moments ZeRO-1 split over 'data'."""
     p = config.parallel
@@ -140,11 +183,16 @@ def _params(config: Config) -> list[StateArray]:
 
 
 def gradient_bytes_per_step(config: Config) -> int:
-    """Parameter and gradient bytes one device sends per step, as XLA compiles it today
-    (what `comm_report` reports as param_grad, small loss reductions aside)."""
+    """Parameter and gradient bytes one device sends per step, as the trainer compiles it
+    (what `comm_report` reports as param_grad, small loss reductions aside): XLA's
+    float32 reductions per micro-batch, or `parallel.grad_exchange='bf16_a2a'`'s
+    exchange once per step (`bf16_a2a_bytes`)."""
     params = _params(config)
-    per_micro_batch = sum(parameter_bytes(config, a) for a in params)
+    if config.parallel.grad_exchange == "bf16_a2a":
+        per_micro_batch, per_step = bf16_a2a_traffic(config)
+        return round(per_micro_batch * config.train.grad_accum + per_step)
     zero = sum(_zero_gather(config, a) for a in params)
+    per_micro_batch = sum(parameter_bytes(config, a) for a in params)
     return round(per_micro_batch * config.train.grad_accum + zero)
 
 

@@ -88,7 +88,8 @@ def compile_step(
         out_shardings=(state_sharding, None),
     )
     lowered = step_fn.lower(state, batch)
-    return lowered.compile(compiler_options=compiler_options).as_text(), lowered.as_text()
+    compiled = lowered.compile(compiler_options=compiler_options)
+    return compiled.as_text(), lowered.as_text(debug_info=True)
 
 
 def summarize(config: config_lib.Config, collectives: list) -> dict:

@@ -1,0 +1,27 @@
+"""Zeros typed like the values written into them, for loop carries and output buffers.
+
+Inside `shard_map` every value carries the mesh axes it varies over, and a loop's carry
+(or a buffer a collective writes into) must vary over the same ones as what is written
+into it. A zero taken from each of the values it will meet gives it that type exactly;
+outside `shard_map` it changes nothing. A buffer typed as replicated would also make JAX
+sum its cotangent over devices in the backward pass.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def _zero(dtype, like: tuple[jax.Array, ...]) -> jax.Array:
+    return sum((jnp.zeros_like(x.reshape(-1)[0], dtype) for x in like), jnp.zeros((), dtype))
+
+
+def varying_zeros(shape: tuple[int, ...], dtype, *like: jax.Array) -> jax.Array:
+    """Zeros of `shape` and `dtype`, varying over the mesh axes any of `like` varies over."""
+    return jnp.zeros(shape, dtype) + _zero(dtype, like)
+
+
+def varying_like(init, *like: jax.Array):
+    """`init` (a tree), each leaf varying over the mesh axes any of `like` varies over."""
+    return jax.tree.map(lambda a: a + _zero(a.dtype, like), init)
