@@ -369,7 +369,8 @@ def test_mixtral_8x7b_train_step_compiles_on_64_devices_as_the_memory_model_says
             plan = dataclasses.replace(plan, overlap_chunks=4, collective_matmul=True)
         if OVERLAP == "compressed":
             compressed = dict(token_dtype="fp8", grad_exchange="bf16_a2a")
-            base = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, **compressed))
+            parallel = dataclasses.replace(base.parallel, **compressed)
+            base = dataclasses.replace(base, parallel=parallel)
         config = check_plan(sized_config(base, plan, base.train.batch_size), 64)
         layout = mesh_lib.make_layout(config, mesh_lib.make_mesh(config))
         graphdef, abstract = abstract_state(config, layout)
