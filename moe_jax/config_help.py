@@ -127,7 +127,7 @@ MEANINGS: dict[str, str] = {
     ),
     "parallel.token_dtype": (
         "dtype of token movements: `native` (the compute dtype) or `fp8`: dispatch all-to-alls "
-        "and all-gathers, the all-gather expert ring's steps and `sp`'s all-to-alls send an "
+        "(ragged ones included) and all-gathers, the all-gather expert ring's steps and `sp`'s all-to-alls send an "
         "E4M3 payload with float32 scales per token and 128 channels (dequantised on "
         "arrival); their backward, the combines and every reduction stay in the compute dtype"
     ),
@@ -135,7 +135,7 @@ MEANINGS: dict[str, str] = {
         "how gradients are summed over devices: `fp32` (XLA's float32 reductions) or "
         "`bf16_a2a`: each device's float32 gradient rounded once to bf16, sent to its shards' "
         "owners by all-to-all (over the intra group, then over `data`) and summed in float32; "
-        "FSDP's gathers get the same backward. Not with `parallel.vocab_parallel` yet"
+        "FSDP's gathers get the same backward"
     ),
     "parallel.ag_threshold": "`auto` picks `ep_ag` when `moe.top_k / parallel.intra` exceeds this",
     "parallel.intra": "n: devices of one intra-node group (experts and sequence split over it)",

@@ -308,17 +308,6 @@ CASES = [
         "fp32 or bf16_a2a",
     ),
     _c(
-        "grad_exchange_with_vocab_parallel",
-        "train",
-        [
-            *TINY,
-            WORKDIR,
-            "--config.parallel.grad_exchange=bf16_a2a",
-            "--config.parallel.vocab_parallel=True",
-        ],
-        "parallel.grad_exchange='bf16_a2a' is not built for parallel.vocab_parallel=True",
-    ),
-    _c(
         "overlap_chunks_zero",
         "train",
         [*TINY, WORKDIR, "--config.parallel.overlap_chunks=0"],

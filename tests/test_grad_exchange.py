@@ -26,8 +26,13 @@ from moe_jax.tools import hlo_collectives, lowered_dtypes
 from moe_jax.train_step import loss_fn
 from tests.layouts import BASE, assert_leaves_close_in_norm, batch, planned, with_plan
 
+VOCAB = dataclasses.replace(BASE, model=dataclasses.replace(BASE.model, vocab_size=256))
 PLANS = {
     "sp+ep_a2a": with_plan("sp", 2, 4, "ep_a2a"),
+    "tp+ep_a2a,vocab_parallel": dataclasses.replace(
+        with_plan("tp", 2, 4, "ep_a2a", base=VOCAB),
+        parallel=dataclasses.replace(with_plan("tp", 2, 4, "ep_a2a").parallel, vocab_parallel=True),
+    ),
     "tp+etp,zero1": with_plan("tp", 2, 4, "etp", zero=1),
     "fsdp+ep_ag,expert_fsdp": dataclasses.replace(
         with_plan("fsdp", 2, 4, "ep_ag"),
@@ -58,14 +63,15 @@ def test_gradients_equal_the_float32_exchange_within_bf16s_rounding(name):
 @pytest.mark.parametrize("name", PLANS)
 def test_gradients_cross_devices_only_as_bf16_all_to_alls(name):
     """No reduce-scatter or all-reduce of a gradient remains (FSDP's gather transpose
-    included): the exchange is all-to-alls, sent as bf16 in the lowered program (XLA:CPU
-    widens them when it compiles)."""
+    included): the sums are all-to-alls sent as bf16 (read from the lowered program:
+    XLA:CPU widens them when it compiles), then float32 all-gathers of the sums."""
     run = planned(_with_bf16_exchange(PLANS[name]))
-    compiled = hlo_collectives.parse(run.hlo)
-    lowered = lowered_dtypes.lowered_collectives(run.lowered)
+    compiled = lowered_dtypes.as_sent(hlo_collectives.parse(run.hlo), run.lowered)
     exchange = [c for c in compiled if GRAD_EXCHANGE in c.op_name]
-    assert exchange and all(c.kind == "all-to-all" for c in exchange)
-    assert all(lowered[(c.kind, c.size // 4)]["bf16"] for c in exchange)  # f32 as compiled
+    sums = [c for c in exchange if c.kind == "all-to-all"]
+    assert sums and all(c.dtype == "bf16" and c.compiled_dtype == "f32" for c in sums)
+    # the rest: the summed shards gathered back, a float32 copy
+    assert all(c.kind == "all-gather" and c.dtype == "f32" for c in exchange if c not in sums)
     params = sum(np.asarray(g).size for g in jax.tree.leaves(run.grads))
     for c in compiled:
         if c.kind in ("all-reduce", "reduce-scatter") and c.role == "param_grad":

@@ -78,6 +78,37 @@ def _backward(collective, shape, zero, cotangent):
 _fp8_collective.defvjp(_forward, _backward)
 
 
+def fp8_indexed(collective: Callable, x: jax.Array, *indices: jax.Array) -> jax.Array:
+    """`collective(x, *indices)` with the payload sent as E4M3, for a movement whose rows
+    and destinations are traced integer arrays (`ragged_all_to_all`'s offsets and sizes);
+    `indices` are not differentiated."""
+    return _fp8_indexed(collective, x, *indices)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fp8_indexed(collective, x, *indices):
+    payload, scales = quantize(x)
+    return dequantize(collective(payload, *indices), collective(scales, *indices), x.dtype)
+
+
+def _indexed_forward(collective, x, *indices):
+    # x without its channels: its rows and its type (the mesh axes it varies over), for
+    # the backward to rebuild the primal from; nothing of x's size is kept.
+    return _fp8_indexed(collective, x, *indices), (x[..., :0], indices)
+
+
+def _indexed_backward(collective, residuals, cotangent):
+    edge, indices = residuals
+    zero = edge.sum()  # typed like x
+    primal = jnp.broadcast_to(zero, (*edge.shape[:-1], cotangent.shape[-1]))
+    move = lambda x: collective(x, *indices)
+    (grad,) = jax.linear_transpose(move, primal)(cotangent.astype(edge.dtype))
+    return (grad, *(None for _ in indices))
+
+
+_fp8_indexed.defvjp(_indexed_forward, _indexed_backward)
+
+
 def wire_bytes(channels: int, token_dtype: str, native: int) -> Fraction:
     """Bytes per element a token movement of `channels`-wide rows sends: the model's
     `native` bytes, or with 'fp8' one byte plus a float32 scale per block."""
@@ -89,3 +120,8 @@ def wire_bytes(channels: int, token_dtype: str, native: int) -> Fraction:
 def token_collective(collective: Callable, token_dtype: str) -> Callable:
     """`collective`, compressed as `parallel.token_dtype` says ('native': unchanged)."""
     return partial(fp8_collective, collective) if token_dtype == "fp8" else collective
+
+
+def indexed_token_collective(collective: Callable, token_dtype: str) -> Callable:
+    """`collective(x, *indices)`, compressed as `parallel.token_dtype` says."""
+    return partial(fp8_indexed, collective) if token_dtype == "fp8" else collective

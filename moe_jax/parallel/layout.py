@@ -119,9 +119,15 @@ class Layout:
         """`body` run per device by a shard_map over the mesh with these specs; inside the
         step-wide shard_map of `parallel.grad_exchange` the body itself, since its
         arguments are already the per-device pieces those specs describe."""
-        if _STEP_MAPPED.get():
+        if self.step_mapped:
             return body
         return jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)
+
+    @property
+    def step_mapped(self) -> bool:
+        """Whether the blocks are being traced per device inside the step's own shard_map
+        (`parallel.grad_exchange='bf16_a2a'`), where a loss is one device's share."""
+        return _STEP_MAPPED.get()
 
     def positions(self, tokens: jax.Array) -> jax.Array:
         """Sequence positions of `tokens` [b, s]: as the attention blocks are handed them.
@@ -129,7 +135,7 @@ class Layout:
         positions, or the whole sequence for a layout whose blocks gather it."""
         b, s = tokens.shape
         start = 0
-        if _STEP_MAPPED.get() and self.seq_axes:
+        if self.step_mapped and self.seq_axes:
             if self.attention_spec.gathers_sequence:
                 s *= self.size(self.seq_axes)
             else:

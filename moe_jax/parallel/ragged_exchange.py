@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 from fractions import Fraction
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -66,6 +67,7 @@ from moe_jax.parallel.expert_parallel import (
     padded_bytes,
     received_routing,
 )
+from moe_jax.parallel.fp8_exchange import indexed_token_collective
 from moe_jax.parallel.layout import INTRA, TOKEN_EXCHANGE
 from moe_jax.parallel.spec import Sizes
 
@@ -108,7 +110,7 @@ def received_experts(counts: jax.Array, bound: int) -> tuple[jax.Array, jax.Arra
     return jnp.where(present, expert, 0), present
 
 
-def _ragged(rows, out_rows: int, input_offsets, send_sizes, output_offsets, recv_sizes):
+def _ragged(rows, input_offsets, send_sizes, output_offsets, recv_sizes, *, out_rows: int):
     """`ragged_all_to_all` of `rows` over the intra group into a fresh zero buffer."""
     # `ragged_all_to_all`'s result takes its type from the buffer it writes into.
     output = varying_zeros((out_rows, *rows.shape[1:]), rows.dtype, rows)
@@ -119,7 +121,13 @@ def _ragged(rows, out_rows: int, input_offsets, send_sizes, output_offsets, recv
 
 
 class RaggedAllToAllDispatcher(AllToAllDispatcher):
-    """Only the routed rows cross the wire (`ragged_all_to_all`), there and back."""
+    """Only the routed rows cross the wire (`ragged_all_to_all`), there and back; with
+    `parallel.token_dtype='fp8'` the dispatch sends them as E4M3 beside their scales,
+    both with the same offsets and sizes."""
+
+    def __init__(self, cfg, layout):
+        super().__init__(cfg, layout)
+        self.token_dtype = layout.token_dtype
 
     def dispatch(self, tokens: jax.Array, routing: Routing) -> Dispatched:
         n, local = self.n, self.local
@@ -132,7 +140,8 @@ class RaggedAllToAllDispatcher(AllToAllDispatcher):
         counts, their_offsets = header[:, :local], header[:, local]
         recv_sizes = counts.sum(1)
         mine = jnp.full(n, jax.lax.axis_index(INTRA) * bound, jnp.int32)
-        rows = _ragged(dsp.dispatch(tokens, send), n * bound, offsets, sizes, mine, recv_sizes)
+        move = indexed_token_collective(partial(_ragged, out_rows=n * bound), self.token_dtype)
+        rows = move(dsp.dispatch(tokens, send), offsets, sizes, mine, recv_sizes)
         expert, present = received_experts(counts, bound)
         back = (send, routing, bound, recv_sizes, their_offsets, sizes)
         return Dispatched(rows, received_routing(expert[:, None], present[:, None]), state=back)
@@ -140,7 +149,8 @@ class RaggedAllToAllDispatcher(AllToAllDispatcher):
     def combine(self, out: jax.Array, sent: Dispatched) -> jax.Array:
         send, routing, bound, recv_sizes, their_offsets, sizes = sent.state
         regions = jnp.arange(self.n, dtype=jnp.int32) * bound  # source s wrote from s * bound
-        back = _ragged(out, send.source.shape[0], regions, recv_sizes, their_offsets, sizes)
+        rows = send.source.shape[0]
+        back = _ragged(out, regions, recv_sizes, their_offsets, sizes, out_rows=rows)
         return dsp.combine(back, send, routing)
 
 

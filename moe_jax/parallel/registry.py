@@ -145,17 +145,6 @@ def problems(config, num_devices: int, platform: str) -> list[str]:
             f"{e.capacity_factor} cannot decide drops over the whole group; use "
             "moe.capacity_factor=0 (dropless) or parallel.collective_matmul=False"
         )
-    if p.token_dtype == "fp8" and experts.name == "ep_a2a_ragged":
-        found.append(
-            "parallel.token_dtype='fp8' is not built for parallel.experts='ep_a2a_ragged' yet "
-            "(its ragged exchange would need its scales sent the same way); use 'ep_a2a'"
-        )
-    if p.grad_exchange == "bf16_a2a" and p.vocab_parallel:
-        found.append(
-            "parallel.grad_exchange='bf16_a2a' is not built for parallel.vocab_parallel=True "
-            "yet (its loss sums over devices inside the vocabulary split); use "
-            "parallel.grad_exchange='fp32' or parallel.vocab_parallel=False"
-        )
     found += attention_impls.problems(config.model.attention_impl, config.model.dtype, platform)
     if config.model.remat == "offload" and platform != "gpu":
         found.append(

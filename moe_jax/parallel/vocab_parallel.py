@@ -82,7 +82,10 @@ def cross_entropy(layout, x: jax.Array, head: jax.Array, targets: jax.Array) -> 
             top = jax.lax.pmax(top, INTRA)
             total = jax.lax.psum(jnp.exp(logits - top[..., None]).sum(-1), INTRA)
             target = jax.lax.psum(picked, INTRA)
-            return jax.lax.psum((jnp.log(total) + top - target).sum(), DATA)
+            group = (jnp.log(total) + top - target).sum()  # the group's, on each of its n
+            if layout.step_mapped:  # one device's share: the step's mean adds the rest
+                return group / layout.size(INTRA)
+            return jax.lax.psum(group, DATA)
 
     in_specs = (spec, P(None, INTRA), P(*spec[:2]))
     return layout.block_map(body, in_specs, P())(x, head, targets)
