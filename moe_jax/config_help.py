@@ -127,9 +127,10 @@ MEANINGS: dict[str, str] = {
     ),
     "parallel.token_dtype": (
         "dtype of token movements: `native` (the compute dtype) or `fp8`: dispatch all-to-alls "
-        "(ragged ones included) and all-gathers, the all-gather expert ring's steps and `sp`'s all-to-alls send an "
-        "E4M3 payload with float32 scales per token and 128 channels (dequantised on "
-        "arrival); their backward, the combines and every reduction stay in the compute dtype"
+        "(ragged ones included) and all-gathers, the all-gather expert ring's steps and "
+        "`sp`'s all-to-alls send an E4M3 payload with float32 scales per token and 128 "
+        "channels (dequantised on arrival); their backward, the combines and every reduction "
+        "stay in the compute dtype"
     ),
     "parallel.grad_exchange": (
         "how gradients are summed over devices: `fp32` (XLA's float32 reductions) or "
