@@ -178,7 +178,13 @@ def accumulated(params, biases, graphdef, batch, config: Config, loss):
     if micro == 1:
         (_, metrics), grads = grad_fn(params, biases, graphdef, batch, config)
         return metrics, grads
-    split = jax.tree.map(lambda x: x.reshape(micro, x.shape[0] // micro, *x.shape[1:]), batch)
+    # Micro-batch m holds rows m, m + micro, ...: with the batch split over devices in
+    # contiguous blocks (which `micro` divides), each device's micro-batches are its own
+    # rows, nothing moves between devices, and a device that splits only its own rows
+    # (inside the step's shard_map, `parallel.grad_exchange`) gets the same micro-batches.
+    split = jax.tree.map(
+        lambda x: x.reshape(x.shape[0] // micro, micro, *x.shape[1:]).swapaxes(0, 1), batch
+    )
 
     def accumulate(total, micro_batch):
         (_, metrics), grads = grad_fn(params, biases, graphdef, micro_batch, config)

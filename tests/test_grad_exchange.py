@@ -34,6 +34,13 @@ PLANS = {
         parallel=dataclasses.replace(with_plan("tp", 2, 4, "ep_a2a").parallel, vocab_parallel=True),
     ),
     "tp+etp,zero1": with_plan("tp", 2, 4, "etp", zero=1),
+    "sp+ep_a2a,grad_accum2": with_plan(
+        "sp",
+        2,
+        4,
+        "ep_a2a",
+        base=dataclasses.replace(BASE, train=dataclasses.replace(BASE.train, grad_accum=2)),
+    ),
     "fsdp+ep_ag,expert_fsdp": dataclasses.replace(
         with_plan("fsdp", 2, 4, "ep_ag"),
         parallel=dataclasses.replace(with_plan("fsdp", 2, 4).parallel, expert_fsdp=True),
