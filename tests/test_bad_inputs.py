@@ -15,8 +15,6 @@ import dataclasses
 import json
 import os
 import shutil
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,16 +24,10 @@ import pytest
 from moe_jax import workdir as workdir_lib
 from moe_jax.data import prepare
 from moe_jax.data.token_files import write_meta, write_split
+from tests.commands import COMMANDS, run_command
 from tests.small_disk import small_disk
 from tests.test_trainer import ROOT, TINY, _snapshot
 
-COMMANDS = {
-    "train": ["-m", "moe_jax.train"],
-    "plan": ["-m", "moe_jax.plan", "--gpus=8"],
-    "comm_report": ["-m", "moe_jax.tools.comm_report"],
-    "prepare": ["-m", "moe_jax.data.prepare"],
-    "launch": [str(ROOT / "launch" / "local.py")],
-}
 TRAINED = [*TINY, "--config.train.eval_every=0", "--config.train.checkpoint_every=2"]
 TRAINED_STEPS = 4  # checkpoints 2 and 4
 
@@ -457,22 +449,9 @@ def template(tmp_path_factory) -> Path:
     """A finished TINY run with checkpoints 2 and 4, trained once by the real command."""
     run = tmp_path_factory.mktemp("trained") / "run"
     args = [*TRAINED, f"--config.train.steps={TRAINED_STEPS}", f"--workdir={run}"]
-    done = _run(ROOT, "train", args)
+    done = run_command(ROOT, "train", args)
     assert done.returncode == 0, done.stderr[-3000:]
     return run
-
-
-def _run(cwd: Path, command: str, args: list[str]) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device
-    env["JAX_PLATFORMS"] = "cpu"
-    return subprocess.run(
-        [sys.executable, *COMMANDS[command], *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
 
 
 def _moved_aside(before: dict[str, str], steps: tuple[int, ...]) -> dict[str, str]:
@@ -500,7 +479,7 @@ def test_bad_input_is_one_line_and_changes_nothing(tmp_path: Path, template, cas
             case.setup(place)
         before = _snapshot(tmp_path)
         args = [arg.replace("{root}", str(tmp_path)) for arg in case.args]
-        done = _run(tmp_path, case.command, args)
+        done = run_command(tmp_path, case.command, args)
         assert done.returncode != 0, done.stdout[-2000:]
         first = done.stderr.find("Traceback")
         assert first < 0, done.stderr[:600] + " ... " + done.stderr[first : first + 1500]
