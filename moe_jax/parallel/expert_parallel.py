@@ -25,6 +25,13 @@ reduce-scatter sums the partial outputs and returns each device its own tokens.
 Drops are decided per intra group, over the gathered tokens, with the capacity
 of all E experts; each device computes its E/n experts' share of those slots.
 
+`RingDispatcher` (`parallel.collective_matmul`) runs the all-gather form as the
+paper's ring: n-1 point-to-point steps, each routing and computing one source's tokens
+while the next source's travel, the partial outputs joining a travelling accumulator.
+With `parallel.token_dtype='fp8'` every dispatch movement (all-to-all, all-gather, ring
+step) sends E4M3 with scales (`moe_jax.parallel.fp8_exchange`); combines stay in the
+model's dtype.
+
 Router statistics of all devices are combined so that the losses equal those of
 the whole batch on one device.
 """
