@@ -3,21 +3,21 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+from tests.commands import subprocess_env
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
 def run_bench(script: str, *args: str) -> dict:
     """`python <script> <args>` in bench/ (no forced devices: the script sets its own)."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     done = subprocess.run(
         [sys.executable, script, *args],
         cwd=BENCH,
-        env=env,
+        env=subprocess_env(),
         capture_output=True,
         text=True,
         timeout=600,

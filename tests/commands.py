@@ -19,10 +19,16 @@ COMMANDS = {
 CONFIG_COMMANDS = ("train", "plan", "comm_report")  # those that take --config flags
 
 
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a child Python, less the forced device count of the
+    test session (the child sets its own, or runs on one device), plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return {**env, **extra}
+
+
 def run_command(cwd: Path, command: str, args: list[str], timeout: int = 300):
     """`command` with `args`, run in `cwd` on one CPU device (no forced devices)."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
+    env = subprocess_env(JAX_PLATFORMS="cpu")
     return subprocess.run(
         [sys.executable, *COMMANDS[command], *args],
         cwd=cwd,

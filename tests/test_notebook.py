@@ -9,13 +9,14 @@ so a `python3` kernelspec of some other installation can never run the notebook.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import sys
 import time
 
 import nbformat
 import pytest
+
+from tests.commands import subprocess_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "quickstart.ipynb"
@@ -75,8 +76,7 @@ def _execute(path: pathlib.Path, report_cell: str, tmp_path, monkeypatch):
 
     nb = nbformat.read(path, as_version=4)
     nb.cells.append(nbformat.v4.new_code_cell(report_cell))
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(JAX_PLATFORMS="cpu", IPYTHONDIR=str(tmp_path / "ipython"))
+    env = subprocess_env(JAX_PLATFORMS="cpu", IPYTHONDIR=str(tmp_path / "ipython"))
     client = NotebookClient(
         nb,
         timeout=600,

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import subprocess
 import sys
 import textwrap
@@ -44,6 +43,7 @@ from moe_jax.plan import memory, param_traffic
 from moe_jax.plan.resolve import check_plan
 from moe_jax.tools import comm_report
 from moe_jax.train_step import init_state, loss_fn
+from tests.commands import subprocess_env
 
 FAST = {"xla_backend_optimization_level": 0}
 ATTENTION = ("dp", "fsdp", "tp", "sp")
@@ -400,11 +400,10 @@ def test_mixtral_8x7b_train_step_compiles_on_64_devices_as_the_memory_model_says
         """
     )
     root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     run = subprocess.run(
         [sys.executable, "-c", script, overlap],
         cwd=root,
-        env=env,
+        env=subprocess_env(),
         capture_output=True,
         text=True,
         timeout=600,

@@ -27,6 +27,7 @@ from moe_jax.data import pipeline
 from moe_jax.data.token_files import write_meta, write_split
 from moe_jax.metrics import read_rows
 from moe_jax.train_step import init_state
+from tests.commands import subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
@@ -55,10 +56,7 @@ def tiny_config(**train) -> config_lib.Config:
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
+    return subprocess_env(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
 
 
 def _train_cmd(workdir: Path, *args: str) -> list[str]:

@@ -25,11 +25,24 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from moe_jax.parallel.layout import ALL, DATA, GRAD_EXCHANGE, INTRA, Layout, step_mapped
+from moe_jax.parallel.layout import (
+    ALL,
+    DATA,
+    GRAD_EXCHANGE,
+    INTRA,
+    Layout,
+    axes_of,
+    split_size,
+    step_mapped,
+)
+
+
+def _is_spec(s) -> bool:
+    return isinstance(s, P)
 
 
 def _used(spec: P) -> set[str]:
-    return {a for axis in spec for a in ((axis,) if isinstance(axis, str) else axis or ())}
+    return {a for entry in spec for a in axes_of(entry)}
 
 
 def summed_over(spec: P) -> tuple[tuple[str, ...], ...]:
@@ -40,16 +53,12 @@ def summed_over(spec: P) -> tuple[tuple[str, ...], ...]:
     return tuple(stage for stage in (intra, () if DATA in used else (DATA,)) if stage)
 
 
-def _devices(sizes: Mapping[str, int], axis) -> int:
-    return math.prod(sizes[a] for a in ((axis,) if isinstance(axis, str) else axis or ()))
-
-
 def cut_dimension(sizes: Mapping[str, int], spec: P, shape: tuple[int, ...]) -> int | None:
     """The first dimension whose per-device size the exchange group divides (shards are
     cut there), or None. `sizes`: the mesh's axis sizes."""
-    group = math.prod(_devices(sizes, stage) for stage in summed_over(spec))
-    for dim, (size, axis) in enumerate(zip(shape, (*spec, *[None] * len(shape)), strict=False)):
-        if (size // _devices(sizes, axis)) % group == 0:
+    group = math.prod(split_size(stage, sizes) for stage in summed_over(spec))
+    for dim, (size, entry) in enumerate(zip(shape, (*spec, *[None] * len(shape)), strict=False)):
+        if (size // split_size(entry, sizes)) % group == 0:
             return dim
     return None
 
@@ -62,10 +71,14 @@ def reduced_spec(sizes: Mapping[str, int], spec: P, shape: tuple[int, ...]) -> P
     if not stages or dim is None:
         return spec
     full = [*spec, *[None] * (len(shape) - len(spec))]
-    own = full[dim]
-    own = () if own is None else ((own,) if isinstance(own, str) else tuple(own))
-    full[dim] = (*own, *(a for stage in stages for a in stage))
+    full[dim] = (*axes_of(full[dim]), *_axes(spec))
     return P(*full)
+
+
+def _reduced_specs(sizes: Mapping[str, int], specs, shapes):
+    """`reduced_spec` of every parameter of a tree."""
+    place = lambda s, shape: reduced_spec(sizes, s, shape)
+    return jax.tree.map(place, specs, shapes, is_leaf=_is_spec)
 
 
 def sum_shards(g: jax.Array, axes: tuple[str, ...], dim: int) -> jax.Array:
@@ -100,7 +113,7 @@ def gather_sums(layout: Layout, grads, specs):
     (left to XLA, the update ran on the shards and gathered parameters and both moments
     instead). Its own shard_map without the replication check: an all-gather's result is
     the same on every device of its group, which the check cannot see."""
-    sizes, is_spec = layout.mesh.shape, lambda s: isinstance(s, P)
+    sizes = layout.mesh.shape
     shapes = jax.tree.map(lambda g: g.shape, grads)
 
     def gather(spec, g, shape):
@@ -110,10 +123,8 @@ def gather_sums(layout: Layout, grads, specs):
         with jax.named_scope(GRAD_EXCHANGE):
             return jax.lax.all_gather(g, _axes(spec), axis=dim, tiled=True)
 
-    body = lambda grads: jax.tree.map(gather, specs, grads, shapes, is_leaf=is_spec)
-    reduced = jax.tree.map(
-        lambda s, shape: reduced_spec(sizes, s, shape), specs, shapes, is_leaf=is_spec
-    )
+    body = lambda grads: jax.tree.map(gather, specs, grads, shapes, is_leaf=_is_spec)
+    reduced = _reduced_specs(sizes, specs, shapes)
     return jax.shard_map(
         body, mesh=layout.mesh, in_specs=(reduced,), out_specs=specs, check_vma=False
     )(grads)
@@ -147,11 +158,8 @@ def step_gradients(layout: Layout, gradients, params, biases, batch, specs):
     one shard_map over the mesh: `loss_of(loss_fn)` makes the mean over all devices of
     a loss computed on one device's tokens. Returns the metrics and the gradients summed
     by `exchange`, each placed by `reduced_spec`."""
+    sizes = layout.mesh.shape
     shapes = jax.tree.map(lambda p: p.shape, params)
-    is_spec = lambda s: isinstance(s, P)
-    out_specs = jax.tree.map(
-        lambda s, shape: reduced_spec(layout.mesh.shape, s, shape), specs, shapes, is_leaf=is_spec
-    )
     batch_spec = layout.activation_spec(rank=2)
 
     def loss_of(loss_fn):
@@ -165,16 +173,16 @@ def step_gradients(layout: Layout, gradients, params, biases, batch, specs):
         def varying(spec, p):
             return jax.lax.pcast(p, _axes(spec), to="varying") if _axes(spec) else p
 
-        params = jax.tree.map(varying, specs, params, is_leaf=is_spec)
+        params = jax.tree.map(varying, specs, params, is_leaf=_is_spec)
         with step_mapped():
             metrics, grads = gradients(params, biases, batch, loss_of)
-        reduce = lambda s, g, shape: exchange(layout.mesh.shape, g, s, shape)
-        return metrics, jax.tree.map(reduce, specs, grads, shapes, is_leaf=is_spec)
+        reduce = lambda s, g, shape: exchange(sizes, g, s, shape)
+        return metrics, jax.tree.map(reduce, specs, grads, shapes, is_leaf=_is_spec)
 
     bias_specs = jax.tree.map(lambda _: P(), biases)
     return jax.shard_map(
         body,
         mesh=layout.mesh,
         in_specs=(specs, bias_specs, jax.tree.map(lambda _: batch_spec, batch)),
-        out_specs=(P(), out_specs),
+        out_specs=(P(), _reduced_specs(sizes, specs, shapes)),
     )(params, biases, batch)

@@ -43,6 +43,16 @@ CHUNK = "chunk"
 RING = "ring"
 
 
+def axes_of(entry) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry: None, one axis, or a tuple of them."""
+    return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+
+
+def split_size(entry, sizes) -> int:
+    """Devices one dimension placed by `entry` is split over (`sizes`: the mesh's)."""
+    return math.prod(sizes[a] for a in axes_of(entry))
+
+
 # Set while the step is traced inside one shard_map over the whole mesh
 # (`moe_jax.parallel.grad_exchange`): every array is then already per device, so each
 # block's own shard_map becomes a plain call of its body.
@@ -186,8 +196,7 @@ class Layout:
         return self.attention_spec.seq_axes if self.mesh is not None else ()
 
     def size(self, axes: str | tuple[str, ...]) -> int:
-        axes = (axes,) if isinstance(axes, str) else axes
-        return math.prod(self.mesh.shape[a] for a in axes)
+        return split_size(axes, self.mesh.shape)
 
     def param_spec(self, names: tuple[str | None, ...]) -> P:
         rules = dict(self.param_rules)

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from moe_jax.config import Config
 from moe_jax.parallel import registry
-from moe_jax.parallel.layout import DATA, MESH_AXES, Layout
+from moe_jax.parallel.layout import DATA, MESH_AXES, Layout, axes_of
 
 
 def _resolved(config: Config) -> None:
@@ -84,7 +84,7 @@ def placement(layout: Layout, names, shape: tuple[int, ...], data: int, over_dat
     `data` divides over 'data'. The planner's memory model places arrays with this too."""
     spec = list(layout.param_spec(names))
     spec += [None] * (len(shape) - len(spec))
-    used = {a for axis in spec for a in ((axis,) if isinstance(axis, str) else axis or ())}
+    used = {a for entry in spec for a in axes_of(entry)}
     if over_data and data > 1 and DATA not in used:
         free = [i for i, axis in enumerate(spec) if axis is None and shape[i] % data == 0]
         if free:

@@ -23,7 +23,7 @@ from flax import nnx
 from moe_jax.config import Config, ModelConfig, MoEConfig, TrainConfig
 from moe_jax.moe.experts import resolve_impl
 from moe_jax.parallel import mesh, registry
-from moe_jax.parallel.layout import DATA, INTRA, Layout
+from moe_jax.parallel.layout import DATA, INTRA, Layout, split_size
 from moe_jax.plan.comm_volume import DTYPE_BYTES
 from moe_jax.train_step import init_state, loss_chunks
 
@@ -111,9 +111,7 @@ def placement(config: Config, array: StateArray, shape: tuple[int, ...] | None =
 
 def split_of(axes, sizes: dict[str, int]) -> int:
     """Devices one dimension is split over (1 when unsplit)."""
-    if axes is None:
-        return 1
-    return math.prod(sizes[a] for a in ((axes,) if isinstance(axes, str) else axes))
+    return split_size(axes, sizes)
 
 
 def device_bytes(config: Config, array: StateArray, units: int | None = None) -> int:

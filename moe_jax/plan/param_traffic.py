@@ -43,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 from moe_jax.config import Config
 from moe_jax.parallel import grad_exchange, registry
-from moe_jax.parallel.layout import DATA, EXPERT, INTRA, TENSOR
+from moe_jax.parallel.layout import DATA, EXPERT, INTRA, TENSOR, axes_of
 from moe_jax.plan.memory import StateArray, device_bytes, mesh_sizes, placement, state_arrays
 
 
@@ -72,10 +72,7 @@ def _block(config: Config, array: StateArray) -> str:
 
 def _splits(config: Config, array: StateArray) -> set[str]:
     """Mesh axes the parameter is split over."""
-    axes = set()
-    for entry in placement(config, array):
-        axes |= set((entry,) if isinstance(entry, str) else entry or ())
-    return axes
+    return {a for entry in placement(config, array) for a in axes_of(entry)}
 
 
 def _by_gspmd(config: Config, block: str) -> bool:
