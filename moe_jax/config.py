@@ -164,6 +164,13 @@ class ParallelConfig:
     # gradient rounded once to bf16, exchanged by all-to-all into shards, summed in
     # float32; intra group first, then 'data').
     grad_exchange: str = "fp32"
+    # Pipeline parallelism (`moe_jax.parallel.pipeline`): the MoE layer stack cut into
+    # `stages` groups on an outer 'stage' mesh axis (1: no pipeline), fed `microbatches`
+    # micro-batches per step; `repeats` > 1 is the circular schedule (each stage holds
+    # that many non-adjacent groups of layers, shrinking the bubble by as much).
+    stages: int = 1
+    microbatches: int = 1
+    repeats: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -384,6 +391,7 @@ def _validate_parallel(p: ParallelConfig) -> None:
     _check(p.experts in experts, "parallel.experts", p.experts, f"valid: {experts}")
     _positive(p, "parallel", "etp")
     _positive(p, "parallel", "overlap_chunks")
+    _positive(p, "parallel", "stages", "microbatches", "repeats")
     _check(p.layout in ("manual", "auto"), "parallel.layout", p.layout, "valid: manual or auto")
     _check(
         p.token_dtype in ("native", "fp8"),

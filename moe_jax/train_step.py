@@ -153,21 +153,54 @@ def loss_fn(params, biases, graphdef, batch, config: Config):
     return loss, metrics
 
 
+def _layout(graphdef, state: TrainState) -> Layout:
+    return nnx.merge(graphdef, state.params, state.biases).layout
+
+
+def _per_device(layout: Layout) -> bool:
+    """Whether the step runs per device in one shard_map over the mesh: for the bf16
+    gradient exchange, and for a pipeline (its stages pass micro-batches by ppermute)."""
+    return layout.grad_exchange == "bf16_a2a" or layout.pipeline_run is not None
+
+
+def _param_specs(state: TrainState, layout: Layout):
+    return jax.tree.map(lambda s: s.spec, mesh_lib.state_shardings(state.params, layout))
+
+
+def pipelined_loss(config: Config):
+    """`loss_fn` for a pipelined model: its router statistics come as means over the
+    `parallel.microbatches` micro-batches, so the load (a count) is scaled back to the
+    step's total, as `accumulated` does."""
+    micro = config.parallel.microbatches
+
+    def loss(params, biases, graphdef, batch, config):
+        total, metrics = loss_fn(params, biases, graphdef, batch, config)
+        if "load" in metrics:
+            metrics = {**metrics, "load": metrics["load"] * micro}
+        return total, metrics
+
+    return loss
+
+
 def gradients(state: TrainState, graphdef, batch, config: Config):
-    """Mean loss metrics and gradients over `grad_accum` micro-batches. With
-    `parallel.grad_exchange='bf16_a2a'` they are computed per device and the gradients
-    summed by `moe_jax.parallel.grad_exchange` (placed as it leaves them)."""
-    layout = nnx.merge(graphdef, state.params, state.biases).layout
-    if layout.grad_exchange == "fp32":
+    """Mean loss metrics and gradients over `grad_accum` micro-batches (or a pipeline's
+    `parallel.microbatches`). With `parallel.grad_exchange='bf16_a2a'` or a pipeline
+    they are computed per device and the gradients summed by
+    `moe_jax.parallel.grad_exchange` (placed as it leaves them)."""
+    layout = _layout(graphdef, state)
+    if not _per_device(layout):
         return accumulated(state.params, state.biases, graphdef, batch, config, loss_fn)
-    specs = jax.tree.map(lambda s: s.spec, mesh_lib.state_shardings(state.params, layout))
+    specs = _param_specs(state, layout)
+    loss = pipelined_loss(config) if layout.pipeline_run is not None else loss_fn
 
     def per_device(params, biases, batch, loss_of):
-        return accumulated(params, biases, graphdef, batch, config, loss_of(loss_fn))
+        return accumulated(params, biases, graphdef, batch, config, loss_of(loss))
 
     metrics, grads = grad_exchange.step_gradients(
         layout, per_device, state.params, state.biases, batch, specs
     )
+    if layout.grad_exchange == "fp32":
+        return metrics, grads
     return metrics, grad_exchange.gather_sums(layout, grads, specs)
 
 
@@ -257,5 +290,11 @@ def apply_gradients(config: Config, state: TrainState, metrics: dict, grads):
 
 def eval_step(graphdef, config: Config, state: TrainState, batch) -> jax.Array:
     """Mean next-token cross-entropy (nats per token) on one batch."""
-    _, metrics = loss_fn(state.params, state.biases, graphdef, batch, config)
+    layout = _layout(graphdef, state)
+    if layout.pipeline_run is None:
+        _, metrics = loss_fn(state.params, state.biases, graphdef, batch, config)
+        return metrics["lm_loss"]
+    loss = lambda params, biases, batch: loss_fn(params, biases, graphdef, batch, config)
+    specs = _param_specs(state, layout)
+    metrics = grad_exchange.step_loss(layout, loss, state.params, state.biases, batch, specs)
     return metrics["lm_loss"]

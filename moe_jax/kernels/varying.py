@@ -25,3 +25,11 @@ def varying_zeros(shape: tuple[int, ...], dtype, *like: jax.Array) -> jax.Array:
 def varying_like(init, *like: jax.Array):
     """`init` (a tree), each leaf varying over the mesh axes any of `like` varies over."""
     return jax.tree.map(lambda a: a + _zero(a.dtype, like), init)
+
+
+def varying_axes(x: jax.Array) -> frozenset[str]:
+    """The mesh axes `x` varies over inside `shard_map` (jax 0.11 spells it `vma`)."""
+    aval = jax.typeof(x)
+    if hasattr(aval, "vma"):
+        return frozenset(aval.vma)
+    return frozenset(aval.manual_axis_type.varying)

@@ -15,7 +15,7 @@ from flax import nnx
 from moe_jax.config import ModelConfig, MoEConfig
 from moe_jax.model import remat
 from moe_jax.model.attention import Attention
-from moe_jax.model.axes import param
+from moe_jax.model.axes import PIPELINED, param
 from moe_jax.model.layers import MLP, Embed, RMSNorm
 from moe_jax.model.loss import chunked_cross_entropy
 from moe_jax.moe.block import MoE, MoEStats
@@ -61,9 +61,17 @@ class Unit(nnx.Module):
 
 
 class Stack(nnx.Module):
-    """`repeats` copies of a unit with parameters stacked on a leading 'layers' axis."""
+    """`repeats` copies of a unit with parameters stacked on a leading 'layers' axis.
 
-    def __init__(self, cfg: ModelConfig, moe, num_dense: int, repeats: int, *, rngs, layout):
+    A `pipelined` stack runs through `layout.stack` (the pipeline, where the layout has
+    one); its parameters are then held as [layout.repeats, layers / repeats, ...] (the
+    second axis split over stages, `axes.PIPELINED`), the same values in the same order
+    as the [layers, ...] they are created as and checkpointed in."""
+
+    def __init__(
+        self, cfg: ModelConfig, moe, num_dense: int, repeats: int, *, rngs, layout,
+        pipelined: bool = False,
+    ):
         @nnx.split_rngs(splits=repeats)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def make(rngs: nnx.Rngs) -> Unit:
@@ -71,14 +79,33 @@ class Stack(nnx.Module):
 
         self.units = make(rngs)
         self.remat = cfg.remat
+        self.layout = layout
+        self.pipelined = pipelined and layout.pipeline_run is not None
+        if self.pipelined:
+            for _, variable in nnx.iter_graph(self.units):
+                if isinstance(variable, nnx.Param):
+                    _to_pipelined(variable, layout.repeats)
 
     def __call__(self, x: jax.Array, positions: jax.Array):
-        graphdef, state = nnx.split(self.units)
+        graphdef, params, rest = nnx.split(self.units, nnx.Param, ...)
 
-        def body(carry, unit_state):
-            return nnx.merge(graphdef, unit_state)(carry, positions)
+        def run_group(params, rest, x, positions):
+            def body(carry, unit_state):
+                return nnx.merge(graphdef, *unit_state)(carry, positions)
 
-        return jax.lax.scan(remat.wrap(body, self.remat), x, state)
+            return jax.lax.scan(remat.wrap(body, self.remat), x, (params, rest))
+
+        if self.pipelined:
+            return self.layout.stack(run_group, params, rest, x, positions)
+        return run_group(params, rest, x, positions)
+
+
+def _to_pipelined(variable: nnx.Param, repeats: int) -> None:
+    """[layers, ...] -> [repeats, layers / repeats, ...] named `axes.PIPELINED`."""
+    value = variable.get_value()
+    variable.set_value(value.reshape(repeats, value.shape[0] // repeats, *value.shape[1:]))
+    names = variable.get_metadata().get("out_sharding") or ("layers",)
+    variable.set_metadata("out_sharding", (*PIPELINED, *names[1:]))
 
 
 class Transformer(nnx.Module):
@@ -95,7 +122,10 @@ class Transformer(nnx.Module):
             else None
         )
         self.moe = (
-            Stack(cfg, moe, cfg.moe_every - 1, cfg.num_moe_layers, rngs=rngs, layout=layout)
+            Stack(
+                cfg, moe, cfg.moe_every - 1, cfg.num_moe_layers, rngs=rngs, layout=layout,
+                pipelined=True,
+            )
             if cfg.num_moe_layers
             else None
         )

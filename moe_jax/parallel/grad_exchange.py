@@ -25,11 +25,14 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from moe_jax.kernels.varying import varying_axes
+from moe_jax.parallel import pipeline
 from moe_jax.parallel.layout import (
-    ALL,
     DATA,
+    EVERY,
     GRAD_EXCHANGE,
     INTRA,
+    STAGE,
     Layout,
     axes_of,
     split_size,
@@ -46,11 +49,13 @@ def _used(spec: P) -> set[str]:
 
 
 def summed_over(spec: P) -> tuple[tuple[str, ...], ...]:
-    """The stages that sum a gradient whose parameter is placed by `spec`: the mesh axes
-    it is replicated on, the intra group's first, then 'data' (either may be absent)."""
+    """The levels that sum a gradient whose parameter is placed by `spec`: the mesh axes
+    it is replicated on, the intra group's first, then those across nodes ('stage' and
+    'data'; either level may be absent)."""
     used = _used(spec)
     intra = tuple(a for a in INTRA if a not in used)
-    return tuple(stage for stage in (intra, () if DATA in used else (DATA,)) if stage)
+    outer = tuple(a for a in (STAGE, DATA) if a not in used)
+    return tuple(level for level in (intra, outer) if level)
 
 
 def cut_dimension(sizes: Mapping[str, int], spec: P, shape: tuple[int, ...]) -> int | None:
@@ -149,25 +154,70 @@ def gather_over_data(layout: Layout, w: jax.Array, dim: int) -> jax.Array:
     return gathered(w)
 
 
+def _mean_of(x: jax.Array) -> jax.Array:
+    """The mean over all devices; over an axis `x` does not vary over it is itself."""
+    axes = tuple(a for a in EVERY if a in varying_axes(x))
+    return jax.lax.pmean(x, axes) if axes else x
+
+
 def _mean(tree):
-    return jax.tree.map(lambda x: jax.lax.pmean(x, ALL), tree)
+    return jax.tree.map(_mean_of, tree)
+
+
+def mean_over_devices(loss_fn):
+    """`loss_fn` (-> (loss, metrics) on one device's tokens) as the mean over all devices:
+    the whole batch's loss, each device computing its share."""
+
+    def mean_loss(*args):
+        loss, metrics = loss_fn(*args)
+        return _mean_of(loss), _mean(metrics)
+
+    return mean_loss
+
+
+def _step_batch(layout: Layout, batch):
+    """(batch as the step's shard_map takes it, its spec, the per-device reshape)."""
+    if layout.pipeline_run is not None:
+        batch, spec = pipeline.microbatch_major(batch, layout)
+        return batch, spec, pipeline.local_batch
+    return batch, layout.activation_spec(rank=2), lambda b: b
+
+
+def step_loss(layout: Layout, loss_fn, params, biases, batch, specs):
+    """`loss_fn(params, biases, batch) -> (loss, metrics)` on one device's tokens, run per
+    device in one shard_map over the mesh (as `step_gradients`); returns the mean metrics
+    over all devices. What a pipelined model needs even without gradients."""
+    batch, batch_spec, local = _step_batch(layout, batch)
+
+    def body(params, biases, batch):
+        with step_mapped():
+            return mean_over_devices(loss_fn)(params, biases, local(batch))[1]
+
+    bias_specs = jax.tree.map(lambda _: P(), biases)
+    return jax.shard_map(
+        body,
+        mesh=layout.mesh,
+        in_specs=(specs, bias_specs, jax.tree.map(lambda _: batch_spec, batch)),
+        out_specs=P(),
+    )(params, biases, batch)
 
 
 def step_gradients(layout: Layout, gradients, params, biases, batch, specs):
     """`gradients(params, biases, batch, loss_of) -> (metrics, grads)` run per device in
     one shard_map over the mesh: `loss_of(loss_fn)` makes the mean over all devices of
-    a loss computed on one device's tokens. Returns the metrics and the gradients summed
-    by `exchange`, each placed by `reduced_spec`."""
+    a loss computed on one device's tokens (`mean_over_devices`). Returns the metrics
+    and the gradients summed over the devices that share their parameter: by `exchange`
+    under 'bf16_a2a', each placed by `reduced_spec`; else by a float32 all-reduce, each
+    placed as its parameter."""
     sizes = layout.mesh.shape
     shapes = jax.tree.map(lambda p: p.shape, params)
-    batch_spec = layout.activation_spec(rank=2)
+    batch, batch_spec, local = _step_batch(layout, batch)
+    compressed = layout.grad_exchange == "bf16_a2a"
 
-    def loss_of(loss_fn):
-        def mean_loss(*args):
-            loss, metrics = loss_fn(*args)
-            return jax.lax.pmean(loss, ALL), _mean(metrics)
-
-        return mean_loss
+    def reduce(spec, g, shape):
+        if compressed:
+            return exchange(sizes, g, spec, shape)
+        return jax.lax.psum(g, _axes(spec)) if _axes(spec) else g
 
     def body(params, biases, batch):
         def varying(spec, p):
@@ -175,14 +225,14 @@ def step_gradients(layout: Layout, gradients, params, biases, batch, specs):
 
         params = jax.tree.map(varying, specs, params, is_leaf=_is_spec)
         with step_mapped():
-            metrics, grads = gradients(params, biases, batch, loss_of)
-        reduce = lambda s, g, shape: exchange(sizes, g, s, shape)
+            metrics, grads = gradients(params, biases, local(batch), mean_over_devices)
         return metrics, jax.tree.map(reduce, specs, grads, shapes, is_leaf=_is_spec)
 
     bias_specs = jax.tree.map(lambda _: P(), biases)
+    grad_specs = _reduced_specs(sizes, specs, shapes) if compressed else specs
     return jax.shard_map(
         body,
         mesh=layout.mesh,
         in_specs=(specs, bias_specs, jax.tree.map(lambda _: batch_spec, batch)),
-        out_specs=(P(), _reduced_specs(sizes, specs, shapes)),
+        out_specs=(P(), grad_specs),
     )(params, biases, batch)

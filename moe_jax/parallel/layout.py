@@ -5,7 +5,8 @@ and never asks which layout it is in. `Layout()` (no mesh)
 is the single-device layout; `moe_jax.parallel.mesh.make_layout` builds the others
 from a resolved plan and the specs in `moe_jax.parallel.registry`.
 
-The mesh always has three axes, ('data', 'expert', 'tensor'): `data`
+The mesh always has four axes, ('stage', 'data', 'expert', 'tensor'): `stage`
+pipeline stages (outermost, across nodes; 1 without a pipeline), each `data`
 data-parallel groups of an intra-node group of n = expert * tensor devices.
 Attention and dense blocks use the intra group as one axis (`INTRA`); expert
 blocks split experts over 'expert' and each expert's width over 'tensor'.
@@ -17,6 +18,7 @@ import contextlib
 import contextvars
 import dataclasses
 import math
+from collections.abc import Callable
 from functools import partial
 
 import jax
@@ -26,10 +28,11 @@ from jax.sharding import PartitionSpec as P
 from moe_jax.moe.dispatcher import TokenDispatcher
 from moe_jax.parallel.spec import AttentionSpec, ExpertSpec, VocabSpec
 
-DATA, EXPERT, TENSOR = "data", "expert", "tensor"
+STAGE, DATA, EXPERT, TENSOR = "stage", "data", "expert", "tensor"
 INTRA = (EXPERT, TENSOR)  # the intra-node group as one axis
-MESH_AXES = (DATA, EXPERT, TENSOR)
-ALL = (DATA, *INTRA)
+MESH_AXES = (STAGE, DATA, EXPERT, TENSOR)
+ALL = (DATA, *INTRA)  # the devices of one pipeline stage
+EVERY = (STAGE, *ALL)  # the whole mesh
 # Name scopes that mark collectives in the compiled program, read by
 # `moe_jax.tools.comm_report`: tokens moved between layouts, and the router
 # statistics combined across devices, and the vocabulary-parallel loss's gathers and
@@ -41,6 +44,8 @@ GRAD_EXCHANGE = "grad_exchange"
 CHUNK = "chunk"
 # Step i of a collective matmul's ring (`parallel.collective_matmul`) is under f"{RING}{i}".
 RING = "ring"
+# The pipeline's stage-to-stage sends (`moe_jax.parallel.pipeline`).
+PIPELINE = "pipeline"
 
 
 def axes_of(entry) -> tuple[str, ...]:
@@ -124,6 +129,24 @@ class Layout:
     # parallel.grad_exchange: 'bf16_a2a' sums the gradients reduced over devices as bf16
     # shards in float32 (`moe_jax.parallel.grad_exchange`), FSDP gathers' included.
     grad_exchange: str = "fp32"
+    # A pipeline over the 'stage' axis (`moe_jax.parallel.pipeline.run`) with
+    # parallel.microbatches and parallel.repeats; None: no pipeline.
+    pipeline_run: Callable | None = None
+    microbatches: int = 1
+    repeats: int = 1
+
+    @property
+    def stages(self) -> int:
+        return 1 if self.mesh is None else self.mesh.shape[STAGE]
+
+    def stack(self, run_group, params, biases, x, positions):
+        """`run_group(params, biases, x, positions) -> (y, stats)` (stacked layers, stats
+        stacked over them) over the pipelined layer stack: as a pipeline over the 'stage'
+        axis where there is one, else on the whole stack at once."""
+        if self.pipeline_run is None:
+            return run_group(params, biases, x, positions)
+        with jax.named_scope(PIPELINE):
+            return self.pipeline_run(self, run_group, params, biases, x, positions)
 
     def block_map(self, body, in_specs, out_specs):
         """`body` run per device by a shard_map over the mesh with these specs; inside the

@@ -1,8 +1,9 @@
 """From a resolved plan (`config.parallel`, see `moe_jax.plan.resolve`) to a device
 mesh, a `Layout`, and shardings.
 
-One mesh with axes ('data', 'expert', 'tensor'): `data` data-parallel groups
-of an intra group of n = expert * tensor devices. Attention and dense blocks
+One mesh with axes ('stage', 'data', 'expert', 'tensor'): `stage` pipeline stages
+(outermost: consecutive devices, i.e. the nodes of a stage, stay together), each of
+`data` data-parallel groups of an intra group of n = expert * tensor devices. Attention and dense blocks
 use the intra group as one axis; expert blocks split experts over 'expert'
 and expert width over 'tensor'. Parameters are placed by logical-axis rules
 that come with the layout's specs (`moe_jax.parallel.registry`).
@@ -19,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moe_jax.config import Config
-from moe_jax.parallel import registry
+from moe_jax.parallel import pipeline, registry
 from moe_jax.parallel.layout import DATA, MESH_AXES, Layout, axes_of
 
 
@@ -29,11 +30,12 @@ def _resolved(config: Config) -> None:
 
 
 def make_mesh(config: Config, devices=None) -> Mesh:
-    """The ('data', 'expert', 'tensor') mesh of a resolved plan."""
+    """The ('stage', 'data', 'expert', 'tensor') mesh of a resolved plan."""
     _resolved(config)
     devices = np.asarray(devices if devices is not None else jax.devices())
+    p = config.parallel
     expert, tensor = registry.expert_split(config)
-    return Mesh(devices.reshape(config.parallel.data, expert, tensor), MESH_AXES)
+    return Mesh(devices.reshape(p.stages, p.data, expert, tensor), MESH_AXES)
 
 
 def make_layout(config: Config, mesh: Mesh) -> Layout:
@@ -49,6 +51,9 @@ def make_layout(config: Config, mesh: Mesh) -> Layout:
         token_dtype=config.parallel.token_dtype,
         grad_exchange=config.parallel.grad_exchange,
         vocab_spec=registry.vocab_spec(config),
+        pipeline_run=pipeline.run if config.parallel.stages > 1 else None,
+        microbatches=config.parallel.microbatches,
+        repeats=config.parallel.repeats,
     )
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from moe_jax.kernels import attention as attention_impls
 from moe_jax.parallel.expert_parallel import EP_A2A, EP_AG, EP_ETP, ETP
 from moe_jax.parallel.fsdp import FSDP
-from moe_jax.parallel.layout import DATA, DP, EXPERT, TENSOR
+from moe_jax.parallel.layout import DATA, DP, EXPERT, STAGE, TENSOR
 from moe_jax.parallel.ragged_exchange import EP_A2A_RAGGED
 from moe_jax.parallel.spec import AttentionSpec, ExpertSpec, VocabSpec
 from moe_jax.parallel.tensor_parallel import TP
@@ -49,14 +49,18 @@ def expert_split(config) -> tuple[int, int]:
 def mesh_sizes(config) -> dict[str, int]:
     """Sizes of the mesh axes of a resolved plan."""
     expert, tensor = expert_split(config)
-    return {DATA: config.parallel.data, EXPERT: expert, TENSOR: tensor}
+    return {STAGE: config.parallel.stages, DATA: config.parallel.data, EXPERT: expert, TENSOR: tensor}
 
 
 def param_rules(config) -> tuple:
     """Logical parameter axes -> mesh axes for the plan (unnamed axes are replicated)."""
     vocab = vocab_spec(config)
+    stages = (("stage_layers", STAGE),) if config.parallel.stages > 1 else ()
     return (
-        attention_spec(config).rules(config) + expert_rules(config) + (vocab.rules if vocab else ())
+        attention_spec(config).rules(config)
+        + expert_rules(config)
+        + (vocab.rules if vocab else ())
+        + stages
     )
 
 
@@ -71,11 +75,12 @@ def problems(config, num_devices: int, platform: str) -> list[str]:
     p, e, t = config.parallel, config.moe, config.train
     attention, experts = attention_spec(config), expert_spec(config)
     found = []
-    if p.data * p.intra != num_devices:
+    if p.stages * p.data * p.intra != num_devices:
         found.append(
-            f"parallel.data * parallel.intra = {p.data} * {p.intra} must equal the "
-            f"{num_devices} devices"
+            f"parallel.stages * parallel.data * parallel.intra = {p.stages} * {p.data} * "
+            f"{p.intra} must equal the {num_devices} devices"
         )
+    found += pipeline_problems(config)
     if e.impl == "capacity" and p.intra != 1:
         found.append(
             "moe.impl='capacity' runs on one device only for now; use 'auto' with parallel.intra>1"
@@ -105,6 +110,12 @@ def problems(config, num_devices: int, platform: str) -> list[str]:
                 f"{tp} expert-tensor x {p.data} data devices, which must divide it"
             )
     batch_split = p.data * (p.intra if set(attention.batch_axes) & {EXPERT, TENSOR} else 1)
+    if p.stages > 1 and t.batch_size % (batch_split * p.microbatches):
+        found.append(
+            f"train.batch_size={t.batch_size} must be divisible by "
+            f"{batch_split * p.microbatches} (parallel.microbatches={p.microbatches} times "
+            f"the batch split of parallel.attention={attention.name!r})"
+        )
     if t.batch_size % (batch_split * t.grad_accum):
         found.append(
             f"train.batch_size={t.batch_size} must be divisible by {batch_split * t.grad_accum} "
@@ -152,6 +163,34 @@ def problems(config, num_devices: int, platform: str) -> list[str]:
             f"XLA:{platform.upper()} does not have; use 'selective' there"
         )
     return found + attention.problems(config) + VOCAB_PARALLEL.problems(config)
+
+
+def pipeline_problems(config) -> list[str]:
+    """Why `parallel.stages`, `microbatches` and `repeats` cannot run this model."""
+    p, m = config.parallel, config.model
+    if p.stages == 1:
+        if p.repeats > 1:
+            return [f"parallel.repeats={p.repeats} needs a pipeline (parallel.stages > 1)"]
+        return []
+    found = []
+    groups = p.stages * p.repeats
+    if m.num_moe_layers % groups:
+        found.append(
+            f"parallel.stages * parallel.repeats = {groups} must divide the "
+            f"{m.num_moe_layers} pipelined units (the MoE layer stack; "
+            f"model.first_k_dense={m.first_k_dense} dense layers run before it)"
+        )
+    if p.microbatches % p.stages:
+        found.append(
+            f"parallel.microbatches={p.microbatches} must be a multiple of "
+            f"parallel.stages={p.stages} (each stage embeds and scores an equal share)"
+        )
+    if config.train.grad_accum != 1:
+        found.append(
+            f"train.grad_accum={config.train.grad_accum} must be 1 under a pipeline: "
+            f"parallel.microbatches={p.microbatches} is its accumulation"
+        )
+    return found
 
 
 def check(config, num_devices: int, platform: str) -> None:

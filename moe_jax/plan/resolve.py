@@ -51,12 +51,12 @@ def resolve(config: Config, num_devices: int) -> Config:
     if p.experts == "auto":
         p = dataclasses.replace(p, experts=auto_experts(config))
     if not p.data:
-        if num_devices % p.intra:
+        if num_devices % (p.intra * p.stages):
             raise ValueError(
-                f"parallel.intra={p.intra} must divide the {num_devices} devices "
-                "(or set parallel.data explicitly)"
+                f"parallel.intra={p.intra} x parallel.stages={p.stages} must divide the "
+                f"{num_devices} devices (or set parallel.data explicitly)"
             )
-        p = dataclasses.replace(p, data=num_devices // p.intra)
+        p = dataclasses.replace(p, data=num_devices // (p.intra * p.stages))
     return dataclasses.replace(config, parallel=p)
 
 

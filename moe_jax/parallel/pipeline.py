@@ -1,0 +1,200 @@
+"""Pipeline parallelism over the 'stage' mesh axis: GPipe with circular repeats.
+
+The MoE layer stack of U units is cut into R * S groups of U / (R S) units; group
+g = r S + s lives on stage s, so each stage holds R non-adjacent groups (`repeats`,
+the circular or interleaved schedule; R = 1 is plain GPipe). Its parameters are held
+as [R, U / R, ...] with the second axis split over 'stage' (`model.axes.PIPELINED`),
+a reshape of the canonical [U, ...] they are checkpointed as (`canonical`, `staged`).
+
+Everything else (embedding, dense prefix, final norm, head and loss) runs outside the
+pipeline with 'stage' folded into the batch: stage s embeds and scores micro-batches
+s K .. (s + 1) K - 1 of its data group (K = M / S). One SPMD program, run per device
+inside the step's `shard_map` (`moe_jax.parallel.grad_exchange.step_mapped_call`):
+
+1. every stage sends its K embedded micro-batches to stage 0 (S - 1 collective-permutes),
+2. M R + S - 1 ticks: at tick t stage s runs iteration i = t - s (micro-batch i mod M,
+   repeat i // M) through its group of that repeat and sends the result to stage
+   s + 1 mod S by `ppermute`; stage 0 keeps the results coming back from stage S - 1
+   in the micro-batch's slot of its buffer, read again M - S ticks later (M >= S) for
+   the next repeat, or as the final output after the last,
+3. stage 0 sends each stage its K final outputs back (S - 1 collective-permutes).
+
+A tick whose iteration is outside [0, M R) is a bubble: it computes on zeros, never on
+what its buffers hold, so nothing it produces reaches an output, a weight gradient
+(zeros in, zero cotangents out) or the router statistics (masked out). Each tick is
+rematerialised: the forward keeps only the M R + S - 1 tick inputs (GPipe's memory:
+every micro-batch's stage input stays alive until the backward), and the backward
+re-runs one tick at a time under the model's own `model.remat` policy.
+
+Router statistics are kept per canonical layer: each stage adds its groups' statistics
+of every valid tick into a [U, ...] total at those layers' indices, summed over stages
+at the end; the pipeline returns their mean over the M micro-batches, as `grad_accum`
+would (each micro-batch's aux, sequence and z losses are those of that micro-batch,
+computed over the whole data group; capacity applies per micro-batch).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from moe_jax.kernels.varying import varying_like
+from moe_jax.model.axes import PIPELINED
+from moe_jax.parallel.layout import STAGE, Layout
+
+
+def ticks(layout: Layout) -> int:
+    """Length of the tick loop: M R + S - 1."""
+    return layout.microbatches * layout.repeats + layout.stages - 1
+
+
+def valid_fraction(stages: int, microbatches: int, repeats: int) -> float:
+    """Share of (stage, tick) pairs that run a micro-batch: M R / (M R + S - 1)."""
+    work = microbatches * repeats
+    return work / (work + stages - 1)
+
+
+def run(layout: Layout, run_group, params, rest, x, positions, bubble: float = 0.0):
+    """The pipelined stack on one device: `x` [K * mb, seq, h] holds this stage's K
+    micro-batches, `params` this stage's [R, U / (R S), ...] groups, `rest` (the routers'
+    biases) the canonical [U, ...]. Returns (y like x, stats [U, ...] averaged over the
+    micro-batches). `bubble` fills the buffers before anything is written into them
+    (tests poison them with NaN)."""
+    stages, m, repeats = layout.stages, layout.microbatches, layout.repeats
+    k = m // stages
+    me = jax.lax.axis_index(STAGE)
+    first = me == 0
+    xs = x.reshape(k, x.shape[0] // k, *x.shape[1:])
+    positions = positions[: xs.shape[1]]
+    buffer = _gather_to_first(xs, stages, bubble)
+
+    def stage_fn(params, rest, x, t):
+        i = t - me
+        r = jnp.clip(i // m, 0, repeats - 1)
+        local = jax.tree.map(lambda p: p[r], params)
+        here = jax.tree.map(lambda b: _stage_rows(b, repeats, stages)[r, me], rest)
+        return run_group(local, here, x, positions)
+
+    stage_fn = jax.checkpoint(stage_fn)
+    stats_shape = jax.eval_shape(stage_fn, params, rest, xs[0], 0)[1]
+    per_stage = jax.tree.leaves(params)[0].shape[1]
+    total = jax.tree.map(
+        lambda s: jnp.zeros((repeats * stages * per_stage, *s.shape[1:]), s.dtype), stats_shape
+    )
+    total = varying_like(total, xs, jnp.asarray(me), *jax.tree.leaves(params))
+    ring = [(j, (j + 1) % stages) for j in range(stages)]
+
+    def tick(carry, t):
+        buffer, received, total = carry
+        buffer = _keep_returned(buffer, received, first & (t >= stages), (t - stages) % m)
+        i = t - me
+        valid = (i >= 0) & (i < m * repeats)
+        x_in = jnp.where(first, jax.lax.dynamic_index_in_dim(buffer, t % m, keepdims=False), received)
+        x_in = jnp.where(valid, x_in, jnp.zeros_like(x_in))
+        y, stats = stage_fn(params, rest, x_in, t)
+        r = jnp.clip(i // m, 0, repeats - 1)
+        start = (r * stages + me) * per_stage
+        total = jax.tree.map(
+            lambda acc, s: jax.lax.dynamic_update_slice_in_dim(
+                acc,
+                jax.lax.dynamic_slice_in_dim(acc, start, per_stage)
+                + jnp.where(valid, s, jnp.zeros_like(s)),
+                start,
+                axis=0,
+            ),
+            total,
+            stats,
+        )
+        return (buffer, jax.lax.ppermute(y, STAGE, ring), total), None
+
+    received = jnp.full_like(xs[0], bubble)
+    (buffer, received, total), _ = jax.lax.scan(
+        tick, (buffer, received, total), jnp.arange(ticks(layout))
+    )
+    buffer = _keep_returned(buffer, received, first, m - 1)
+    y = _scatter_from_first(buffer, stages, k, me)
+    stats = jax.tree.map(lambda s: jax.lax.psum(s, STAGE) / m, total)
+    return y.reshape(x.shape), stats
+
+
+def _stage_rows(b: jax.Array, repeats: int, stages: int) -> jax.Array:
+    """A canonical [U, ...] array as [R, S, U / (R S), ...]: [r, s] is group r S + s."""
+    return b.reshape(repeats, stages, b.shape[0] // (repeats * stages), *b.shape[1:])
+
+
+def _keep_returned(buffer, received, keep, slot):
+    """Stage 0 stores what came back from the last stage in micro-batch `slot`."""
+    old = jax.lax.dynamic_index_in_dim(buffer, slot, keepdims=False)
+    return jax.lax.dynamic_update_index_in_dim(buffer, jnp.where(keep, received, old), slot, 0)
+
+
+def _gather_to_first(xs: jax.Array, stages: int, bubble: float) -> jax.Array:
+    """[M, ...] on stage 0: micro-batch j K + i is stage j's xs[i]."""
+    parts = [xs] + [jax.lax.ppermute(xs, STAGE, [(j, 0)]) for j in range(1, stages)]
+    buffer = jnp.concatenate(parts)
+    return buffer if bubble == 0 else jnp.where(jax.lax.axis_index(STAGE) == 0, buffer, bubble)
+
+
+def _scatter_from_first(buffer: jax.Array, stages: int, k: int, me) -> jax.Array:
+    """Stage s's K final outputs, micro-batches s K .. (s + 1) K - 1, from stage 0."""
+    mine = buffer[:k]
+    for j in range(1, stages):
+        got = jax.lax.ppermute(buffer[j * k : (j + 1) * k], STAGE, [(0, j)])
+        mine = jnp.where(me == j, got, mine)
+    return mine
+
+
+def microbatch_major(batch: dict, layout: Layout) -> tuple[dict, P]:
+    """Token arrays [B, seq] as [S, K, B / M, seq] and their spec: micro-batch m holds
+    rows m, m + M, ... (as `grad_accum`'s micro-batches), and stage s gets micro-batches
+    s K .. (s + 1) K - 1, each split over its data group as the attention layout splits
+    a batch. Only token ids move (a few bytes per token)."""
+    stages, m = layout.stages, layout.microbatches
+
+    def reorder(x):
+        rows = x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
+        return rows.reshape(stages, m // stages, *rows.shape[1:])
+
+    spec = P(STAGE, None, layout.batch_axes or None, layout.seq_axes or None)
+    return jax.tree.map(reorder, batch), spec
+
+
+def local_batch(batch: dict) -> dict:
+    """One device's [1, K, mb, seq] pieces as the [K * mb, seq] batch it runs."""
+    return jax.tree.map(lambda x: x.reshape(x.shape[1] * x.shape[2], *x.shape[3:]), batch)
+
+
+def _is_pipelined(leaf) -> bool:
+    names = leaf.get_metadata().get("out_sharding") or ()
+    return tuple(names[:2]) == PIPELINED
+
+
+def canonical(tree):
+    """A state tree with every pipelined [R, U / R, ...] variable as its [U, ...] (the
+    checkpoint form; exact, a reshape)."""
+
+    def merge(leaf):
+        if not isinstance(leaf, nnx.Variable) or not _is_pipelined(leaf):
+            return leaf
+        value = leaf.get_value()
+        names = leaf.get_metadata()["out_sharding"]
+        flat = value.reshape(value.shape[0] * value.shape[1], *value.shape[2:])
+        return leaf.replace(flat, out_sharding=("layers", *names[2:]))
+
+    return jax.tree.map(merge, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def staged(canonical_tree, like):
+    """`canonical_tree` back in the form of `like` (a tree shaped as the run holds it)."""
+
+    def split(leaf, target):
+        if not isinstance(target, nnx.Variable) or not _is_pipelined(target):
+            return leaf
+        shape = target.get_value().shape
+        names = target.get_metadata()["out_sharding"]
+        return leaf.replace(leaf.get_value().reshape(shape), out_sharding=names)
+
+    is_var = lambda x: isinstance(x, nnx.Variable)
+    return jax.tree.map(split, canonical_tree, like, is_leaf=is_var)
