@@ -1,7 +1,9 @@
 """Checkpoints with orbax: asynchronous, atomic, the last K kept, resumed automatically.
 
 A checkpoint holds the whole `TrainState` (params, optimizer state, step,
-RNG, router biases), the data iterator's state and the resolved config.
+RNG, router biases), the data iterator's state and the resolved config. Arrays are
+written in their canonical form whatever the plan: a pipeline's stage-split layer
+stacks as the [layers, ...] arrays of any other run (`moe_jax.parallel.pipeline`).
 Orbax writes each step into a temporary directory and renames it only once
 complete, so a crash mid-save leaves the previous checkpoint as the latest.
 """
@@ -19,6 +21,8 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
+
+from moe_jax.parallel import pipeline
 
 # Settings that change the shapes or meaning of saved parameters.
 ARCHITECTURE_SECTIONS = ("model", "moe")
@@ -200,7 +204,7 @@ class Checkpointer:
             started = self.manager.save(
                 step,
                 args=ocp.args.Composite(
-                    state=ocp.args.StandardSave(state),
+                    state=ocp.args.StandardSave(pipeline.canonical(state)),
                     data=ocp.args.JsonSave(data_state),
                     config=ocp.args.JsonSave(config),
                 ),
@@ -234,10 +238,11 @@ class Checkpointer:
         restored = self.manager.restore(
             step,
             args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()
+                state=ocp.args.StandardRestore(pipeline.canonical(abstract)),
+                data=ocp.args.JsonRestore(),
             ),
         )
-        return restored["state"], restored["data"]
+        return pipeline.staged(restored["state"], abstract), restored["data"]
 
     def wait(self) -> None:
         """Returns once the last save is complete on every process (before exiting on a signal)."""

@@ -76,7 +76,8 @@ class Run:
     lowered: str  # the step before XLA's optimisations (StableHLO, original dtypes)
 
 
-def _run(config: Config, layout) -> Run:
+def run_under(config: Config, layout) -> Run:
+    """`config`'s step under `layout` (built by `planned`, or by hand)."""
     graphdef, state = init_state(config, layout)
     inputs = batch(config)
     shardings = {}
@@ -102,14 +103,14 @@ def _run(config: Config, layout) -> Run:
 @functools.cache
 def reference(config: Config) -> Run:
     """`config` on one device (its parallel settings ignored)."""
-    return _run(config, SINGLE_DEVICE)
+    return run_under(config, SINGLE_DEVICE)
 
 
 @functools.cache
 def planned(config: Config) -> Run:
     """`config` under its plan on the 8 test devices."""
     config = check_plan(config, jax.device_count())
-    return _run(config, mesh_lib.make_layout(config, mesh_lib.make_mesh(config)))
+    return run_under(config, mesh_lib.make_layout(config, mesh_lib.make_mesh(config)))
 
 
 def assert_trees_close(got, want, rtol: float = 1e-5, atol_scale: float | None = None) -> None:

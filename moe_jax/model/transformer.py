@@ -65,8 +65,9 @@ class Stack(nnx.Module):
 
     A `pipelined` stack runs through `layout.stack` (the pipeline, where the layout has
     one); its parameters are then held as [layout.repeats, layers / repeats, ...] (the
-    second axis split over stages, `axes.PIPELINED`), the same values in the same order
-    as the [layers, ...] they are created as and checkpointed in."""
+    second axis split over stages, `axes.PIPELINED`; with one repeat, [layers, ...] split
+    over stages), the same values in the same order as the [layers, ...] they are
+    created as and checkpointed in."""
 
     def __init__(
         self, cfg: ModelConfig, moe, num_dense: int, repeats: int, *, rngs, layout,
@@ -101,10 +102,14 @@ class Stack(nnx.Module):
 
 
 def _to_pipelined(variable: nnx.Param, repeats: int) -> None:
-    """[layers, ...] -> [repeats, layers / repeats, ...] named `axes.PIPELINED`."""
+    """[layers, ...] -> [repeats, layers / repeats, ...] named `axes.PIPELINED` (with one
+    repeat, the same array named ('stage_layers', ...))."""
     value = variable.get_value()
-    variable.set_value(value.reshape(repeats, value.shape[0] // repeats, *value.shape[1:]))
     names = variable.get_metadata().get("out_sharding") or ("layers",)
+    if repeats == 1:
+        variable.set_metadata("out_sharding", (*PIPELINED[1:], *names[1:]))
+        return
+    variable.set_value(value.reshape(repeats, value.shape[0] // repeats, *value.shape[1:]))
     variable.set_metadata("out_sharding", (*PIPELINED, *names[1:]))
 
 

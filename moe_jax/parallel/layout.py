@@ -44,7 +44,8 @@ GRAD_EXCHANGE = "grad_exchange"
 CHUNK = "chunk"
 # Step i of a collective matmul's ring (`parallel.collective_matmul`) is under f"{RING}{i}".
 RING = "ring"
-# The pipeline's stage-to-stage sends (`moe_jax.parallel.pipeline`).
+# The pipelined layer stack: its tick loops and stage-to-stage sends
+# (`moe_jax.parallel.pipeline`).
 PIPELINE = "pipeline"
 
 
@@ -145,8 +146,7 @@ class Layout:
         axis where there is one, else on the whole stack at once."""
         if self.pipeline_run is None:
             return run_group(params, biases, x, positions)
-        with jax.named_scope(PIPELINE):
-            return self.pipeline_run(self, run_group, params, biases, x, positions)
+        return self.pipeline_run(self, run_group, params, biases, x, positions)
 
     def block_map(self, body, in_specs, out_specs):
         """`body` run per device by a shard_map over the mesh with these specs; inside the

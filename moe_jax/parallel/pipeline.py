@@ -3,8 +3,9 @@
 The MoE layer stack of U units is cut into R * S groups of U / (R S) units; group
 g = r S + s lives on stage s, so each stage holds R non-adjacent groups (`repeats`,
 the circular or interleaved schedule; R = 1 is plain GPipe). Its parameters are held
-as [R, U / R, ...] with the second axis split over 'stage' (`model.axes.PIPELINED`),
-a reshape of the canonical [U, ...] they are checkpointed as (`canonical`, `staged`).
+as [R, U / R, ...] with the second axis split over 'stage' (`model.axes.PIPELINED`;
+with R = 1 the [U, ...] itself), a reshape of the canonical [U, ...] they are
+checkpointed as (`canonical`, `staged`).
 
 Everything else (embedding, dense prefix, final norm, head and loss) runs outside the
 pipeline with 'stage' folded into the batch: stage s embeds and scores micro-batches
@@ -38,11 +39,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moe_jax.kernels.varying import varying_like
 from moe_jax.model.axes import PIPELINED
-from moe_jax.parallel.layout import STAGE, Layout
+from moe_jax.parallel.layout import PIPELINE, STAGE, Layout
 
 
 def ticks(layout: Layout) -> int:
@@ -57,6 +59,13 @@ def valid_fraction(stages: int, microbatches: int, repeats: int) -> float:
 
 
 def run(layout: Layout, run_group, params, rest, x, positions, bubble: float = 0.0):
+    """`_run` under the pipeline's name scope, which marks its loops and sends in the
+    compiled program."""
+    with jax.named_scope(PIPELINE):
+        return _run(layout, run_group, params, rest, x, positions, bubble)
+
+
+def _run(layout: Layout, run_group, params, rest, x, positions, bubble: float):
     """The pipelined stack on one device: `x` [K * mb, seq, h] holds this stage's K
     micro-batches, `params` this stage's [R, U / (R S), ...] groups, `rest` (the routers'
     biases) the canonical [U, ...]. Returns (y like x, stats [U, ...] averaged over the
@@ -68,6 +77,8 @@ def run(layout: Layout, run_group, params, rest, x, positions, bubble: float = 0
     first = me == 0
     xs = x.reshape(k, x.shape[0] // k, *x.shape[1:])
     positions = positions[: xs.shape[1]]
+    if repeats == 1:  # held as [U / S, ...] per stage: the one repeat's group
+        params = jax.tree.map(lambda p: p[None], params)
     buffer = _gather_to_first(xs, stages, bubble)
 
     def stage_fn(params, rest, x, t):
@@ -167,34 +178,54 @@ def local_batch(batch: dict) -> dict:
 
 
 def _is_pipelined(leaf) -> bool:
-    names = leaf.get_metadata().get("out_sharding") or ()
-    return tuple(names[:2]) == PIPELINED
+    if not isinstance(leaf, nnx.Variable):
+        return False
+    names = tuple(leaf.get_metadata().get("out_sharding") or ())
+    return names[:1] == PIPELINED[1:] or names[:2] == PIPELINED
+
+
+def _is_variable(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def _merged_names(names) -> tuple:
+    return ("layers", *names[(2 if tuple(names[:2]) == PIPELINED else 1) :])
 
 
 def canonical(tree):
-    """A state tree with every pipelined [R, U / R, ...] variable as its [U, ...] (the
-    checkpoint form; exact, a reshape)."""
+    """A state tree with every pipelined variable in its checkpoint form [U, ...] named
+    ('layers', ...): exact (a reshape); arrays, or `jax.ShapeDtypeStruct`s with
+    shardings (the canonical form's: split over 'stage' in contiguous blocks)."""
 
     def merge(leaf):
-        if not isinstance(leaf, nnx.Variable) or not _is_pipelined(leaf):
+        if not _is_pipelined(leaf):
             return leaf
-        value = leaf.get_value()
-        names = leaf.get_metadata()["out_sharding"]
-        flat = value.reshape(value.shape[0] * value.shape[1], *value.shape[2:])
-        return leaf.replace(flat, out_sharding=("layers", *names[2:]))
+        value, names = leaf.get_value(), leaf.get_metadata()["out_sharding"]
+        repeats = value.shape[0] if tuple(names[:2]) == PIPELINED else 1
+        shape = (value.shape[0] * value.shape[1], *value.shape[2:]) if repeats > 1 else None
+        if isinstance(value, jax.ShapeDtypeStruct):
+            sharding = value.sharding
+            if repeats > 1 and isinstance(sharding, NamedSharding):
+                sharding = NamedSharding(sharding.mesh, P(*sharding.spec[1:]))
+            value = jax.ShapeDtypeStruct(shape or value.shape, value.dtype, sharding=sharding)
+        elif shape is not None:
+            value = value.reshape(shape)
+        return leaf.replace(value, out_sharding=_merged_names(names))
 
-    return jax.tree.map(merge, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return jax.tree.map(merge, tree, is_leaf=_is_variable)
 
 
 def staged(canonical_tree, like):
-    """`canonical_tree` back in the form of `like` (a tree shaped as the run holds it)."""
+    """`canonical_tree` back in the form of `like` (a tree of arrays or shardings-carrying
+    `jax.ShapeDtypeStruct`s as the run holds it)."""
 
     def split(leaf, target):
-        if not isinstance(target, nnx.Variable) or not _is_pipelined(target):
+        if not _is_pipelined(target):
             return leaf
-        shape = target.get_value().shape
-        names = target.get_metadata()["out_sharding"]
-        return leaf.replace(leaf.get_value().reshape(shape), out_sharding=names)
+        want = target.get_value()
+        value = leaf.get_value().reshape(want.shape)
+        if getattr(want, "sharding", None) is not None:
+            value = jax.device_put(value, want.sharding)
+        return leaf.replace(value, out_sharding=target.get_metadata()["out_sharding"])
 
-    is_var = lambda x: isinstance(x, nnx.Variable)
-    return jax.tree.map(split, canonical_tree, like, is_leaf=is_var)
+    return jax.tree.map(split, canonical_tree, like, is_leaf=_is_variable)

@@ -1,0 +1,310 @@
+"""Pipeline parallelism (`moe_jax.parallel.pipeline`): the pipelined step against a
+single-device run over the same micro-batches (`train.grad_accum=M`), the schedule
+read from the compiled program, poisoned bubbles, and canonical checkpoints.
+
+The model has a dense first layer (run outside the pipeline, 'stage' folded into the
+batch) and four MoE layers, so four stages, or two stages with two repeats, cut it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from moe_jax.checkpoint import Checkpointer
+from moe_jax.config import Config, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
+from moe_jax.parallel import mesh as mesh_lib
+from moe_jax.parallel import pipeline
+from moe_jax.parallel.layout import MESH_AXES, PIPELINE, STAGE, Layout
+from moe_jax.plan.resolve import check_plan
+from moe_jax.tools import hlo_collectives
+from moe_jax.train_step import abstract_state, init_placed, with_shardings
+from tests.layouts import assert_trees_close, planned, reference, run_under
+
+MODEL = Config(
+    model=ModelConfig(
+        num_layers=5,
+        first_k_dense=1,
+        embed_dim=32,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=8,
+        mlp_dim=48,
+    ),
+    moe=MoEConfig(
+        num_experts=8,
+        top_k=2,
+        expert_mlp_dim=16,
+        aux_loss_coef=0.1,
+        seq_aux_loss_coef=0.05,
+        z_loss_coef=0.01,
+        bias_update_rate=1e-3,
+    ),
+    train=TrainConfig(batch_size=16, seq_len=16),
+)
+
+
+def pipelined(stages, data, intra, micro, repeats=1, attention="sp", experts="ep_a2a"):
+    plan = ParallelConfig(
+        attention=attention,
+        experts=experts,
+        intra=intra,
+        data=data,
+        stages=stages,
+        microbatches=micro,
+        repeats=repeats,
+    )
+    return dataclasses.replace(MODEL, parallel=plan)
+
+
+def one_device(micro: int) -> Config:
+    """The reference: the same micro-batches accumulated on one device."""
+    return dataclasses.replace(MODEL, train=dataclasses.replace(MODEL.train, grad_accum=micro))
+
+
+# (stage, data, intra) meshes with M = S and 2S; R = 2 on the last.
+MESHES = [(2, 1, 4, 1), (2, 2, 2, 1), (4, 2, 1, 1), (2, 1, 4, 2)]
+CASES = [(*mesh, s * f, "sp", "ep_a2a") for mesh in MESHES for f in (1, 2) for s in mesh[:1]]
+CASES += [(2, 2, 2, 1, 4, "tp", "etp"), (2, 1, 4, 2, 2, "tp", "etp"), (4, 2, 1, 1, 4, "tp", "etp")]
+
+
+def _label(case) -> str:
+    s, d, n, r, m, attention, experts = case
+    return f"S{s}xD{d}xN{n},M{m},R{r},{attention}+{experts}"
+
+
+def _run(case):
+    s, d, n, r, m, attention, experts = case
+    return planned(pipelined(s, d, n, m, r, attention, experts)), reference(one_device(m))
+
+
+@pytest.mark.parametrize("case", CASES, ids=_label)
+def test_loss_gradients_and_three_steps_equal_one_device(case):
+    run, ref = _run(case)
+    # the same experts chosen for every token: per-layer loads agree exactly
+    np.testing.assert_array_equal(run.metrics["load"], ref.metrics["load"])
+    for name in ("loss", "lm_loss", "aux_loss", "seq_aux_loss", "z_loss"):
+        np.testing.assert_allclose(run.metrics[name], ref.metrics[name], rtol=1e-5, err_msg=name)
+    assert_trees_close(pipeline.canonical(run.grads), ref.grads, rtol=1e-5)
+    after = jax.device_get(pipeline.canonical(run.state.params))
+    assert_trees_close(after, jax.device_get(ref.state.params), rtol=1e-5)
+    assert_trees_close(jax.device_get(run.state.biases), jax.device_get(ref.state.biases), 1e-5)
+
+
+def test_poisoned_bubbles_change_nothing():
+    """Buffers filled with NaN before anything is written into them: what a bubble tick
+    would compute on if it read them."""
+    config = check_plan(pipelined(2, 1, 4, 2, 2), jax.device_count())
+    layout = mesh_lib.make_layout(config, mesh_lib.make_mesh(config))
+    poisoned = dataclasses.replace(layout, pipeline_run=partial(pipeline.run, bubble=math.nan))
+    clean = dataclasses.replace(layout, pipeline_run=partial(pipeline.run, bubble=0.0))
+    got, want = run_under(config, poisoned), run_under(config, clean)
+    for leaf in jax.tree.leaves((got.metrics, got.grads)):
+        assert np.isfinite(np.asarray(leaf)).all()
+    assert_trees_close((got.metrics, got.grads), (want.metrics, want.grads), rtol=1e-6)
+
+
+# --- the schedule, on a stage-only mesh with layers whose order shows ----------------
+
+
+def _toy_layout(stages: int, micro: int, repeats: int) -> Layout:
+    devices = np.asarray(jax.devices()[:stages]).reshape(stages, 1, 1, 1)
+    mesh = Mesh(devices, MESH_AXES)
+    return Layout(mesh=mesh, pipeline_run=pipeline.run, microbatches=micro, repeats=repeats)
+
+
+def _affine_group(params, rest, x, positions):
+    """Each layer x -> x * a + b + shift: composing them in the wrong order (or twice)
+    changes the result. Stats: one call per layer and micro-batch."""
+
+    def layer(x, p):
+        a, b, shift = p
+        y = jnp.tanh(x * a + b + shift)
+        return y, {"calls": jnp.ones((), jnp.float32), "mean": y.mean()}
+
+    return jax.lax.scan(layer, x, (params["a"], params["b"], rest["shift"]))
+
+
+def _toy(stages: int, micro: int, repeats: int, units: int):
+    layout = _toy_layout(stages, micro, repeats)
+    rng = np.random.default_rng(stages * 100 + micro * 10 + repeats)
+    a = rng.uniform(0.5, 1.5, (units, 3)).astype(np.float32)
+    b = rng.normal(size=(units, 3)).astype(np.float32)
+    shift = rng.normal(size=(units, 3)).astype(np.float32)
+    x = rng.normal(size=(micro * 2, 1, 3)).astype(np.float32)  # M micro-batches of 2 rows
+    positions = np.zeros((micro * 2 // stages, 1), np.int32)
+
+    def staged(p):  # [U, ...] -> [R, U / R, ...], as the model holds it (R = 1: as is)
+        return p if repeats == 1 else p.reshape(repeats, units // repeats, *p.shape[1:])
+
+    spec = P(STAGE) if repeats == 1 else P(None, STAGE)
+
+    def loss(a, b, shift, x):
+        def body(a, b, shift, x):
+            y, stats = pipeline.run(
+                layout, _affine_group, {"a": a, "b": b}, {"shift": shift}, x, positions
+            )
+            total = jax.lax.psum((y**2).sum(), STAGE)
+            return total, stats
+
+        return jax.shard_map(
+            body,
+            mesh=layout.mesh,
+            in_specs=(spec, spec, P(), P(STAGE)),
+            out_specs=(P(), P()),
+        )(a, b, shift, x)
+
+    def sequential(a, b, shift, x):
+        def layer(x, p):
+            return jnp.tanh(x * p[0] + p[1] + p[2]), None
+
+        y = jax.vmap(lambda row: jax.lax.scan(layer, row, (a, b, shift))[0])(x.reshape(-1, 3))
+        return (y**2).sum()
+
+    args = (staged(jnp.asarray(a)), staged(jnp.asarray(b)), jnp.asarray(shift), jnp.asarray(x))
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+    compiled = step.lower(*args).compile()
+    (total, stats), grads = compiled(*args)
+    want, want_grads = jax.value_and_grad(sequential, argnums=(0, 1))(a, b, shift, x)
+    return layout, compiled.as_text(), total, stats, grads, want, want_grads, staged
+
+
+SCHEDULES = [(2, 2, 1), (2, 4, 1), (4, 4, 1), (8, 8, 1), (2, 2, 2), (2, 4, 3), (4, 8, 2)]
+
+
+@pytest.mark.parametrize("stages,micro,repeats", SCHEDULES)
+def test_schedule_runs_every_layer_in_order_on_every_micro_batch(stages, micro, repeats):
+    units = stages * repeats * 2
+    layout, hlo, total, stats, grads, want, want_grads, staged = _toy(
+        stages, micro, repeats, units
+    )
+    np.testing.assert_allclose(total, want, rtol=1e-5)
+    for got, expected in zip(grads, want_grads, strict=True):
+        np.testing.assert_allclose(got, staged(expected), rtol=1e-5, atol=1e-6)
+    # The loop: M R + S - 1 ticks, forward and backward, read from the compiled program.
+    trips = _pipeline_trip_counts(hlo)
+    assert trips.count(micro * repeats + stages - 1) >= 2, trips
+    # Every layer saw each micro-batch once: bubble ticks left no statistics.
+    np.testing.assert_allclose(stats["calls"], np.ones(units))
+    # Valid (stage, tick) pairs: each valid one ran a group of units / (R S) layers.
+    valid = stats["calls"].sum() * micro / (units // (repeats * stages))
+    ticks = micro * repeats + stages - 1
+    assert valid / (stages * ticks) == pytest.approx(
+        pipeline.valid_fraction(stages, micro, repeats)
+    )
+    assert pipeline.valid_fraction(stages, micro, repeats) == micro * repeats / ticks
+
+
+def _pipeline_trip_counts(hlo: str) -> list[int]:
+    """Known trip counts of the `while` loops the pipeline's scope made."""
+    counts = []
+    for ins in hlo_collectives.instructions(hlo):
+        if ins.opcode == "while" and PIPELINE in ins.op_name:
+            found = re.search(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"', ins.attrs)
+            if found:
+                counts.append(int(found.group(1)))
+    return counts
+
+
+def _pairs(attrs: str) -> list[tuple[int, int]]:
+    found = re.search(r"source_target_pairs=\{(.*?)\}\}", attrs)
+    return [tuple(map(int, p)) for p in re.findall(r"\{(\d+),(\d+)", found.group(0))]
+
+
+def test_compiled_step_passes_stage_to_stage_and_never_gathers_over_stages():
+    stages, data, intra, micro = 2, 2, 2, 4
+    run, _ = _run((stages, data, intra, 1, micro, "sp", "ep_a2a"))
+    per_stage = data * intra
+    stage_of = lambda device: device // per_stage
+    instructions = hlo_collectives.instructions(run.hlo)
+    permutes = [i for i in instructions if i.opcode.startswith("collective-permute")]
+    piped = [i for i in permutes if PIPELINE in i.op_name]
+    assert piped
+    for ins in piped:  # between stages, each device to its own place in the other stage
+        for source, target in _pairs(ins.attrs):
+            assert stage_of(source) != stage_of(target)
+            assert source % per_stage == target % per_stage
+    # the ring inside the loops: the forward sends s -> s + 1, the backward s + 1 -> s
+    trips = _pipeline_trip_counts(run.hlo)
+    assert trips.count(micro + stages - 1) >= 2, trips
+    for ins in instructions:
+        if ins.opcode.startswith("all-gather"):
+            groups = re.search(r"replica_groups=(\S+)", ins.attrs).group(1)
+            members = [list(map(int, g.split(","))) for g in re.findall(r"\{([\d,]+)\}", groups)]
+            for group in members:
+                assert len({stage_of(d) for d in group}) == 1, ins.op_name
+
+
+# --- checkpoints ------------------------------------------------------------------
+
+
+def _layout(config):
+    config = check_plan(config, jax.device_count())
+    return config, mesh_lib.make_layout(config, mesh_lib.make_mesh(config))
+
+
+def _placed(config):
+    config, layout = _layout(config)
+    _, abstract = abstract_state(config, layout)
+    shardings = mesh_lib.train_state_shardings(abstract, layout, config.parallel.zero)
+    return config, layout, with_shardings(abstract, shardings), shardings
+
+
+@pytest.mark.parametrize(
+    "saved,restored",
+    [
+        ((4, 2, 1, 4, 1), (1, 2, 4, 1, 1)),
+        ((4, 2, 1, 4, 1), (2, 1, 4, 2, 2)),
+        ((2, 1, 4, 2, 2), (4, 2, 1, 4, 1)),
+        ((1, 2, 4, 1, 1), (2, 1, 4, 4, 2)),
+    ],
+    ids=lambda plan: "S{}xD{}xN{},M{},R{}".format(*plan),
+)
+def test_checkpoints_restore_bit_for_bit_across_stages_and_repeats(tmp_path, saved, restored):
+    def config_of(plan):
+        s, d, n, m, r = plan
+        return pipelined(s, d, n, m, r) if s > 1 else pipelined(1, d, n, 1)
+
+    config, layout, _, shardings = _placed(config_of(saved))
+    state = init_placed(config, layout, shardings)
+    checkpoints = Checkpointer(tmp_path, keep=1)
+    checkpoints.save(1, state, {}, {})
+    checkpoints.wait()
+    _, _, like, _ = _placed(config_of(restored))
+    got, _ = checkpoints.restore(1, like)
+    checkpoints.close()
+    # the restored arrays hold the run's form and placement...
+    for value, target in zip(jax.tree.leaves(got), jax.tree.leaves(like), strict=True):
+        assert value.shape == target.shape and value.sharding == target.sharding
+    # ...and every value saved, bit for bit, in the canonical [layers, ...] order
+    want = jax.device_get(pipeline.canonical(state))
+    for a, b in zip(jax.tree.leaves(jax.device_get(pipeline.canonical(got))), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_held_form_is_the_canonical_stack_reshaped():
+    """[R, U / R] with stage s holding groups r S + s: the layers each stage runs."""
+    config, layout, _, shardings = _placed(pipelined(2, 1, 4, 2, 2))
+    state = init_placed(config, layout, shardings)
+    one, one_layout, _, one_shardings = _placed(pipelined(1, 2, 4, 1))
+    canonical = init_placed(one, one_layout, one_shardings)
+    gate = state.params["moe"]["units"]["blocks"][0]["ffn"]["gate"]
+    want = canonical.params["moe"]["units"]["blocks"][0]["ffn"]["gate"]
+    assert gate.shape == (2, 2, *want.shape[1:])
+    assert gate.sharding.spec[:2] == (None, STAGE)
+    np.testing.assert_array_equal(np.asarray(gate).reshape(want.shape), np.asarray(want))
+    held = np.asarray(want).reshape(gate.shape)
+    np.testing.assert_array_equal(held[:, 1], np.asarray(want)[[1, 3]])
+    for shard in gate.addressable_shards:  # stage 1 (devices 4-7) holds layers 1 and 3
+        stage = shard.device.id // 4
+        assert shard.index[1] == slice(stage, stage + 1)
+        np.testing.assert_array_equal(np.asarray(shard.data), held[shard.index])
