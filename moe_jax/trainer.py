@@ -169,7 +169,8 @@ def run(config: config_lib.Config, workdir: str | Path) -> dict[str, Any]:
             say(
                 f"planner chose attention={p.attention} experts={p.experts} intra={p.intra} "
                 f"data={p.data} zero={p.zero} expert_fsdp={p.expert_fsdp} "
-                f"overlap_chunks={p.overlap_chunks} collective_matmul={p.collective_matmul}"
+                f"overlap_chunks={p.overlap_chunks} collective_matmul={p.collective_matmul} "
+                f"stages={p.stages} microbatches={p.microbatches} repeats={p.repeats}"
             )
         mesh = mesh_lib.make_mesh(config)
         layout = mesh_lib.make_layout(config, mesh)

@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from moe_jax.config import Config
 from moe_jax.parallel import pipeline, registry
-from moe_jax.parallel.layout import DATA, MESH_AXES, Layout, axes_of
+from moe_jax.parallel.layout import DATA, MESH_AXES, STAGE, Layout, axes_of
 
 
 def _resolved(config: Config) -> None:
@@ -58,8 +58,12 @@ def make_layout(config: Config, mesh: Mesh) -> Layout:
 
 
 def batch_sharding(layout: Layout) -> NamedSharding:
-    """Token batches [batch, seq] as the attention layout splits them."""
-    return NamedSharding(layout.mesh, layout.activation_spec(rank=2))
+    """Token batches [batch, seq] as the attention layout splits them; a pipeline's also
+    over 'stage' (each stage loads, embeds and scores its share of the rows)."""
+    spec = layout.activation_spec(rank=2)
+    if layout.stages > 1:
+        spec = P((STAGE, *layout.batch_axes), *spec[1:])
+    return NamedSharding(layout.mesh, spec)
 
 
 def state_shardings(state, layout: Layout):

@@ -470,23 +470,65 @@ def micro_batches(config: Config, micro_batch: int | None = None) -> int:
 def memory_per_device(config: Config, pp: int = 1, micro_batch: int | None = None) -> Memory:
     """Memory of the worst device of a resolved plan (parallel.data >= 1, experts chosen).
 
-    `pp` pipeline stages cut the layers into contiguous parts (embedding on the
-    first stage, final norm and head on the last); with 1F1B, stage i keeps
-    min(pp - i, micro-batches) micro-batches of activations in flight.
     `micro_batch` is the sequences of one micro-batch per data-parallel group
-    (default batch_size / (data x grad_accum)).
+    (default batch_size / (data x grad_accum), or / (data x parallel.microbatches) under
+    a pipeline). `pp` > 1 (or `parallel.stages` > 1) is the trainer's pipeline
+    (`pipeline_activation_bytes`): every stage holds 1/pp of the MoE layer stack and all
+    of the rest (embedding, dense prefix, final norm, head).
     """
     _sizes(config, micro_batch)  # validates the plan
-    if pp < 1 or pp > config.model.num_layers:
-        raise ValueError(f"pp={pp} must be in [1, model.num_layers={config.model.num_layers}]")
+    stages = max(pp, config.parallel.stages)
+    if stages > 1:
+        return _pipeline_memory(config, stages, micro_batch)
     in_flight = micro_batches(config, micro_batch)
-    worst = None
-    for i, stage in enumerate(stage_units(config, pp)):
-        first, last = i == 0, i == pp - 1
-        state = _state_bytes(config, stage, first, last)
-        state["grads"] *= 2 if in_flight > 1 else 1  # the sum and one micro-batch's
-        kept, working = stage_activation_bytes(config, stage, last, micro_batch)
-        memory = Memory(**state, activations=kept * min(pp - i, in_flight) + working)
-        if worst is None or memory.total > worst.total:
-            worst = memory
-    return worst
+    stage = units(config)
+    state = _state_bytes(config, stage, True, True)
+    state["grads"] *= 2 if in_flight > 1 else 1  # the sum and one micro-batch's
+    kept, working = stage_activation_bytes(config, stage, True, micro_batch)
+    return Memory(**state, activations=kept * min(1, in_flight) + working)
+
+
+def _split_units(config: Config) -> tuple[list, list]:
+    """(the units outside the pipeline: the dense prefix; the pipelined MoE units)."""
+    every = units(config)
+    return every[: config.model.first_k_dense], every[config.model.first_k_dense :]
+
+
+def pipeline_activation_bytes(
+    config: Config, stages: int, micro: int, repeats: int, micro_batch: int
+) -> dict[str, int]:
+    """Activations one device holds under the trainer's pipeline (`moe_jax.parallel.
+    pipeline`: GPipe, circular repeats, each tick rematerialised), a = t·h·B the stream
+    of one micro-batch on one device:
+
+    * tick_inputs: (M R + S - 1) a, every tick's input, kept for its recompute;
+    * buffers: 2 M a, stage 0's micro-batch buffer and, in the backward, its cotangent;
+    * outside: what the embedding, dense prefix and head keep for the K = M / S
+      micro-batches each stage runs outside the pipeline (one batch of K b sequences),
+      and their K a output;
+    * working: the larger of one tick's backward (its group's units recomputed under
+      model.remat, then one unit's backward) and the outside part's."""
+    z = _sizes(config, micro_batch)
+    a = z.t * z.h * z.B
+    k = micro // stages
+    outside, piped = _split_units(config)
+    group = piped[: len(piped) // (repeats * stages)]
+    kept_g, working_g = stage_activation_bytes(config, group, False, micro_batch)
+    kept_o, working_o = stage_activation_bytes(config, outside, True, k * micro_batch)
+    return {
+        "tick_inputs": (micro * repeats + stages - 1) * a,
+        "buffers": 2 * micro * a,
+        "outside": kept_o + k * a,
+        "working": max(kept_g + working_g, working_o),
+    }
+
+
+def _pipeline_memory(config: Config, stages: int, micro_batch: int | None) -> Memory:
+    p, t = config.parallel, config.train
+    micro = p.microbatches if micro_batch is None else t.batch_size // (p.data * micro_batch)
+    micro_batch = micro_batch or t.batch_size // (p.data * micro)
+    outside, piped = _split_units(config)
+    state = _state_bytes(config, outside + piped[: len(piped) // stages], True, True)
+    repeats = p.repeats if p.stages > 1 else 1
+    terms = pipeline_activation_bytes(config, stages, micro, repeats, micro_batch)
+    return Memory(**state, activations=sum(terms.values()))
