@@ -39,9 +39,23 @@ Model, per device and per micro-batch of the slowest pipeline stage:
     and scatter into the grouped GEMM (its intra-operator fusion). All modes overlap
     the data-parallel gradient sync (`param_traffic.hierarchical_sync_bytes`, float32,
     or halved with `Plan.grad_dtype="bfloat16"`) with the last micro-batch's backward,
-    except the first layer's share (its gradients are ready last).
-  * pipeline: 1F1B, step = (m + p - 1) * t_micro_batch, i.e. a bubble of
-    (p-1)/(m+p-1); stage-to-stage activations are sent every micro-batch.
+    except the first layer's share (its gradients are ready last); a pipeline does not.
+  * pipeline (`Plan.schedule`), the trainer's (`moe_jax.parallel.pipeline`, "gpipe"):
+    GPipe over S stages with R circular repeats, M micro-batches. Only the MoE layer
+    stack is pipelined, cut into R S groups; a tick is one group's forward and backward
+    for one micro-batch (model.remat inside), its forward once more (each tick is
+    rematerialised) and the activation sent on and its cotangent back, over the
+    network when the mesh spans nodes (stages are outermost). Step = (M R + S - 1)
+    ticks, a bubble of (S-1)/(M R + S - 1) of them, + K = M / S micro-batches of the
+    dense prefix and head (every stage runs its K outside the pipeline, no bubble) + the
+    (S-1) sends of K micro-batches to stage 0 and back, forward and backward + one
+    gradient sum after the whole backward, exposed (each device its stage's 1/S of the
+    stack, and the embedding, head and dense prefix, held on every stage, over
+    'stage' too) + the optimizer over the stage's parameters. Megatron-LM's and
+    MegaScale-MoE's 1F1B ("1f1b", `PAPER_SCHEDULE`, for `moe_jax.plan.paper_table` and
+    the Megatron-LM baseline only, never offered to the trainer): layers cut
+    contiguously, embedding on the first stage, head on the last, step = (m + p - 1)
+    micro-batches of the slowest stage, activations sent every micro-batch.
 
 Constants (`Efficiency`), each from a public measurement, none fitted to the
 paper's table:
@@ -72,11 +86,12 @@ paper's table:
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from moe_jax.config import Config
 from moe_jax.flops import flops_per_token
 from moe_jax.parallel import registry
-from moe_jax.parallel.layout import DATA, INTRA
+from moe_jax.parallel.layout import DATA, INTRA, STAGE, axes_of
 from moe_jax.plan import comm_volume
 from moe_jax.plan.hardware import GPU
 
@@ -106,6 +121,11 @@ def overlap_name(chunks: int, collective_matmul: bool, search: str = "") -> str:
 
 
 GRAD_SYNCS = ("hierarchical", "per_micro_batch")
+# The trainer's pipeline (GPipe, circular repeats) and the paper's systems' 1F1B, which
+# `moe_jax.plan.paper_table` and the Megatron-LM baseline model and the trainer never runs.
+SCHEDULES = ("gpipe", "1f1b")
+PAPER_SCHEDULE = "1f1b"
+REPEAT_CHOICES = (1, 2, 4)  # parallel.repeats the planner tries
 REMATS = ("", "none", "selective", "offload", "full")
 ATTENTION_LAYOUTS = tuple(registry.ATTENTION)
 EXPERT_LAYOUTS = tuple(registry.EXPERTS)
@@ -149,6 +169,8 @@ class Plan:
     remat: str = ""  # "full", "selective" or "none"; "" = the config's model.remat
     grad_dtype: str = "float32"  # of the data-parallel gradient exchange ("bfloat16": halved)
     expert_fsdp: bool = False  # expert weights also split over data, gathered per layer
+    repeats: int = 1  # parallel.repeats: groups of the MoE stack each stage holds (circular)
+    schedule: str = "gpipe"  # of a pipeline: the trainer's, or `PAPER_SCHEDULE`
 
     @property
     def devices(self) -> int:
@@ -157,6 +179,11 @@ class Plan:
     @property
     def label(self) -> str:
         return f"{self.attention}+{self.experts}"
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether the plan runs the trainer's pipeline (`moe_jax.parallel.pipeline`)."""
+        return self.pp > 1 and self.schedule == "gpipe"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,9 +205,10 @@ def all_gather_time(result_bytes: float, group: int, link: Link) -> float:
     return collective_time(result_bytes * (group - 1) / group, group, link)
 
 
-def bubble_fraction(stages: int, micro_batches: int) -> float:
-    """1F1B pipeline bubble: the share of the step a stage idles, (p-1)/(m+p-1)."""
-    return (stages - 1) / (micro_batches + stages - 1)
+def bubble_fraction(stages: int, micro_batches: int, repeats: int = 1) -> float:
+    """Share of a pipeline's ticks a stage idles, (S-1)/(M R + S - 1): the trainer's GPipe
+    with R circular repeats (1F1B's (p-1)/(m+p-1) at R = 1)."""
+    return (stages - 1) / (micro_batches * repeats + stages - 1)
 
 
 def exposed(comm: float, compute: float, chunks: int) -> float:
@@ -222,13 +250,13 @@ class StepCost:
     tokens_per_sec: float
     mfu: float
     micro_batches: int
-    micro_batch_s: float  # slowest stage, forward + backward (+ recompute)
+    micro_batch_s: float  # slowest stage, forward + backward (+ recompute); gpipe: a tick
     breakdown: dict[str, float]  # seconds per step on the critical path; sums to step_s
     hidden: dict[str, float]  # communication seconds per step hidden behind compute
 
     @property
     def bubble(self) -> float:
-        return bubble_fraction(self.plan.pp, self.micro_batches)
+        return bubble_fraction(self.plan.pp, self.micro_batches, self.plan.repeats)
 
 
 Gemm = tuple[float, float, float]  # forward (rows, columns, reduction length) of one GEMM
@@ -312,8 +340,10 @@ class CostModel:
         stage_devices = plan.intra * plan.data
         self.data_link = self.network if stage_devices > gpu.gpus_per_node else self.intra
         self.stage_link = self.network if plan.devices > gpu.gpus_per_node else self.intra
-        self.activation = comm_volume.activation_bytes(self.sized)
-        self.mlp_activation = comm_volume.mlp_bytes(self.sized)
+        # `comm_volume` reads a micro-batch as batch / (data x grad_accum)
+        per_micro_batch = _with_accumulation(self.sized, self.micro_batches)
+        self.activation = comm_volume.activation_bytes(per_micro_batch)
+        self.mlp_activation = comm_volume.mlp_bytes(per_micro_batch)
         self.attention_spec = registry.attention_spec(self.sized)
         self.expert_spec = registry.expert_spec(self.sized)
         # Devices attention and dense-MLP weights are stored split over (tp: intra, fsdp:
@@ -587,7 +617,7 @@ class CostModel:
         return [_Exchange("attention_exchange", sent, p.intra, 2, self.intra)]
 
     def head(self) -> Tally:
-        """Output head and loss on the last stage (outside remat)."""
+        """Output head and loss of one micro-batch (outside remat)."""
         tally = self._pass(self.head_ops(), self.head_exchanges(), backward=False)
         tally.add(self._pass(self.head_ops(), self.head_exchanges(), backward=True))
         return tally
@@ -606,13 +636,18 @@ class CostModel:
         experts /= p.data if p.expert_fsdp else 1
         return attention + experts + h * e.num_experts + shared
 
+    def table_params(self) -> float:
+        """Parameters of the embedding table (or the head) on one device."""
+        m = self.config.model
+        vocab_split = self.plan.intra if self.config.parallel.vocab_parallel else 1
+        return m.vocab_size * m.embed_dim / max(self._intra_split, vocab_split)
+
     def stage_params(self) -> list[float]:
-        """Parameters one device holds on each stage: its layers, the embedding on the
+        """Parameters one device holds on each 1F1B stage: its layers, the embedding on the
         first, the head on the last."""
         m, p = self.config.model, self.plan
         is_moe = [_is_moe_layer(m, i) for i in range(m.num_layers)]
-        vocab_split = self.plan.intra if self.config.parallel.vocab_parallel else 1
-        table = m.vocab_size * m.embed_dim / max(self._intra_split, vocab_split)
+        table = self.table_params()
         out = []
         for s, layers in enumerate(self.stage_layers()):
             ends = (s == 0) + (s == p.pp - 1 and not m.tie_embeddings)
@@ -625,14 +660,15 @@ class CostModel:
         bounds = [round(s * n / pp) for s in range(pp + 1)]
         return [range(bounds[s], bounds[s + 1]) for s in range(pp)]
 
-    def accumulation_s(self, params: float) -> float:
-        """Each micro-batch adds its weight gradients into the float32 accumulator: one
-        read and one write of 4 bytes per parameter (one write when there is one)."""
-        per_param = 8 if self.micro_batches > 1 else 4
+    def accumulation_s(self, params: float, passes: int | None = None) -> float:
+        """Each of `passes` backward passes (default: one per micro-batch) adds its weight
+        gradients into the float32 accumulator: one read and one write of 4 bytes per
+        parameter (one write when there is one)."""
+        per_param = 8 if (self.micro_batches if passes is None else passes) > 1 else 4
         return params * per_param / (self.gpu.hbm_bandwidth * self.eff.memory)
 
     def stages(self) -> list[Tally]:
-        """Per micro-batch, forward + backward, of each pipeline stage."""
+        """Per micro-batch, forward + backward, of each 1F1B pipeline stage."""
         m, p = self.config.model, self.plan
         is_moe = [_is_moe_layer(m, i) for i in range(m.num_layers)]
         layer = {kind: self.layer(kind) for kind in set(is_moe)}
@@ -684,15 +720,22 @@ class CostModel:
         shown = max(total - window, total / layers)
         return shown, total - shown
 
-    def optimizer_s(self) -> float:
-        """AdamW update: memory-bound over the largest stage's parameters on one device
-        (the moments split over data by ZeRO-1)."""
+    def optimizer_s(self, params: float | None = None) -> float:
+        """AdamW update: memory-bound over one device's parameters (default the largest
+        1F1B stage's; the moments split over data by ZeRO-1)."""
+        params = max(self.stage_params()) if params is None else params
         shards = self.plan.data if self.plan.zero else 1
         bandwidth = self.gpu.hbm_bandwidth * self.eff.memory
-        return max(self.stage_params()) / shards * ADAM_BYTES_PER_PARAM / bandwidth
+        return params / shards * ADAM_BYTES_PER_PARAM / bandwidth
 
     def step(self) -> StepCost:
-        p, m = self.plan, self.config.model
+        pipelined = self.gpipe_step() if self.plan.pipelined else self.one_f_one_b_step()
+        return self._cost(*pipelined)
+
+    def one_f_one_b_step(self) -> tuple[dict[str, float], dict[str, float], float]:
+        """(breakdown, hidden, slowest stage's micro-batch seconds) of m micro-batches
+        through 1F1B (no pipeline: one stage)."""
+        p = self.plan
         stages = self.stages()
         slowest = max(range(p.pp), key=lambda s: stages[s].seconds)
         stage = stages[slowest]
@@ -707,6 +750,10 @@ class CostModel:
         breakdown["grad_sync"] = shown
         hidden["grad_sync"] = hid
         breakdown["optimizer"] = self.optimizer_s()
+        return breakdown, hidden, t_mb
+
+    def _cost(self, breakdown: dict[str, float], hidden: dict[str, float], t_mb: float):
+        p, m = self.plan, self.config.model
         step_s = sum(breakdown.values())
         tokens = self.global_batch * self.config.train.seq_len
         model_flops = flops_per_token(m, self.config.moe, self.config.train.seq_len) * tokens
@@ -715,11 +762,153 @@ class CostModel:
             step_s=step_s,
             tokens_per_sec=tokens / step_s,
             mfu=model_flops / (step_s * p.devices * self.gpu.peak_flops),
-            micro_batches=mbs,
+            micro_batches=self.micro_batches,
             micro_batch_s=t_mb,
             breakdown=breakdown,
             hidden=hidden,
         )
+
+    # --- the trainer's pipeline (`Plan.schedule` "gpipe") --------------------------
+
+    def units_per_group(self) -> int:
+        """MoE units (moe_every - 1 dense layers, one MoE layer) of each of the R S groups."""
+        return self.config.model.num_moe_layers // (self.plan.pp * self.plan.repeats)
+
+    def unit(self, forward_only: bool = False) -> Tally:
+        """One pipelined unit for one micro-batch: forward, backward and the model's
+        recompute, or (`forward_only`) one forward, exchanges included."""
+        run = self.layer_forward if forward_only else self.layer
+        tally = run(True)
+        dense = self.config.model.moe_every - 1
+        if dense:
+            tally.add(run(False), dense)
+        return tally
+
+    def layer_forward(self, moe: bool) -> Tally:
+        """One forward of a layer: what rematerialising a tick runs once more."""
+        second = (self.moe_ops(), self.moe_exchanges()) if moe else (self.mlp_ops(), self.mlp_exchanges())
+        tally = self._pass(self.attention_ops(), self.attention_exchanges(), backward=False)
+        tally.add(self._pass(*second, backward=False))
+        return tally
+
+    def group_params(self) -> float:
+        """Parameters of one group of the stack on one device."""
+        dense = (self.config.model.moe_every - 1) * self.layer_params(False)
+        return self.units_per_group() * (self.layer_params(True) + dense)
+
+    def outside_params(self) -> float:
+        """Parameters every stage holds whole: the embedding, the head (untied) and the
+        dense prefix."""
+        m = self.config.model
+        tables = 1 + (not m.tie_embeddings)
+        return tables * self.table_params() + m.first_k_dense * self.layer_params(False)
+
+    def send_s(self, tokens: float) -> float:
+        """One collective-permute of `tokens` tokens' hidden states between two stages."""
+        sent = tokens * self.config.model.embed_dim * self.B
+        return collective_time(sent, 2, self.stage_link)
+
+    def tick(self) -> Tally:
+        """One stage at one tick: its group's forward, backward and the model's recompute
+        for one micro-batch, the forward once more (each tick is rematerialised), the
+        weight gradients added into the step's sum, the activation sent on and its
+        cotangent sent back (both wait for the tick's compute and feed the next)."""
+        units = self.units_per_group()
+        tally = Tally(compute={"grad_accumulation": self.accumulation_s(self.group_params())})
+        tally.add(self.unit(), units)
+        tally.add(self.unit(forward_only=True), units)
+        tally.add(Tally(exposed={"pipeline_p2p": 2 * self.send_s(self.t)}))
+        return tally
+
+    def outside(self) -> Tally:
+        """The dense prefix and the head of one micro-batch, outside the pipeline."""
+        tally = self.head()
+        if self.config.model.first_k_dense:
+            tally.add(self.layer(False), self.config.model.first_k_dense)
+        return tally
+
+    def gpipe_step(self) -> tuple[dict[str, float], dict[str, float], float]:
+        """(breakdown, hidden, tick seconds) of the trainer's pipelined step: M R ticks of
+        work and S - 1 of bubble, each stage's K = M / S micro-batches outside the
+        pipeline, the sends of those to stage 0 and back (forward and backward), one
+        exposed gradient sum and the optimizer."""
+        p = self.plan
+        tick, k = self.tick(), self.micro_batches // p.pp
+        total = Tally()
+        total.add(tick, self.micro_batches * p.repeats)
+        total.add(self.outside(), k)
+        breakdown = dict(total.compute)
+        for key, value in total.exposed.items():
+            breakdown[key] = breakdown.get(key, 0.0) + value
+        outside = self.outside_params()
+        breakdown["grad_accumulation"] += self.accumulation_s(outside, passes=1)
+        breakdown["pipeline_p2p"] += 4 * (p.pp - 1) * self.send_s(k * self.t)
+        breakdown["bubble"] = (p.pp - 1) * tick.seconds
+        breakdown["grad_sync"] = self.pipeline_sync_s()
+        breakdown["optimizer"] = self.optimizer_s(p.repeats * self.group_params() + outside)
+        return breakdown, {**total.hidden, "grad_sync": 0.0}, tick.seconds
+
+    def pipeline_sync_s(self) -> float:
+        """The pipelined step's gradient sum, exposed: the trainer runs it once, after the
+        tick loop's backward. Each device sums its stage's 1/S of the stack over the mesh
+        axes the stack is replicated on, and what every stage holds (embedding, head,
+        dense prefix) over 'stage' as well."""
+        from moe_jax.plan import memory
+
+        sizes = memory.mesh_sizes(self.sized)
+        traffic = [
+            sent
+            for array in memory.state_arrays(self.sized)
+            if array.part == "params"
+            for sent in self._array_sync(array, sizes)
+        ]
+        return _sync_time(traffic)
+
+    def _array_sync(self, array, sizes: dict[str, int]) -> list[tuple[float, int, Link]]:
+        """(bytes, group, link) one device sends to sum one parameter's gradient. Its
+        devices of the intra group first, then across 'data' (and 'stage'):
+        `Plan.grad_sync` "hierarchical" is the paper's form (intra-node all-reduce, then
+        one of the 1/n shard across nodes, in `Plan.grad_dtype`); else the trainer's
+        `parallel.grad_exchange`: one float32 all-reduce over the whole group, or
+        'bf16_a2a' (bf16 all-to-alls, intra group first, the float32 shards gathered
+        back: 3/4 of the paper's bytes), with ZeRO-1's gather of the updated parameters.
+        FSDP's gradients are reduce-scattered over 'data' in every micro-batch's
+        backward (the transpose of its weight gathers)."""
+        from moe_jax.plan import memory
+
+        p = self.plan
+        form = "hierarchical" if p.grad_sync == "hierarchical" else self.sized.parallel.grad_exchange
+        scale = {"hierarchical": comm_volume.DTYPE_BYTES[p.grad_dtype] / PARAM_BYTES}
+        scale = scale.get(form, 0.75 if form == "bf16_a2a" else 1.0)
+        splits = {a for entry in memory.placement(self.sized, array) for a in axes_of(entry)}
+        piped = array.stack == "moe"
+        size = memory.device_bytes(self.sized, array) / (p.pp if piped and STAGE not in splits else 1)
+        inner = math.prod(sizes[a] for a in INTRA if a not in splits)
+        outer = (1 if DATA in splits else p.data) * (1 if piped else p.pp)
+        far = self.data_link if piped else self.stage_link
+        out = []
+        if DATA in splits:
+            passes = self.micro_batches if piped else 1
+            out.append((passes * size * (p.data - 1) * min(scale, 2 / 3) * 3 / 2, p.data, self.data_link))
+        if form == "fp32":
+            group = inner * outer
+            out.append((2 * size * (group - 1) / group, group, far if outer > 1 else self.intra))
+        else:
+            out.append((scale * 2 * size * (inner - 1) / inner, inner, self.intra))
+            out.append((scale * 2 * size / inner * (outer - 1) / outer, outer, far))
+        moment = memory.placement(self.sized, dataclasses.replace(array, moment=True))
+        zero = DATA in {a for entry in moment for a in axes_of(entry)} and DATA not in splits
+        if form != "hierarchical" and p.zero and zero:
+            out.append((size * (p.data - 1) / p.data, p.data, self.data_link))
+        return out
+
+
+def _sync_time(traffic: list[tuple[float, int, Link]]) -> float:
+    """Bytes over each link, and 2 (g - 1) latency steps for each distinct group (one
+    all-reduce-like collective per group: XLA combines a step's reductions over it)."""
+    seconds = sum(sent / link.bandwidth for sent, _, link in traffic)
+    groups = {(group, link) for sent, group, link in traffic if sent > 0 and group > 1}
+    return seconds + sum(2 * (group - 1) * link.latency for group, link in groups)
 
 
 def _is_moe_layer(m, index: int) -> bool:
@@ -729,9 +918,19 @@ def _is_moe_layer(m, index: int) -> bool:
     return (index - m.first_k_dense) % m.moe_every == m.moe_every - 1
 
 
+def _with_accumulation(config: Config, micro_batches: int) -> Config:
+    return dataclasses.replace(
+        config, train=dataclasses.replace(config.train, grad_accum=micro_batches)
+    )
+
+
 def sized_config(config: Config, plan: Plan, global_batch: int) -> Config:
     """`config` with the plan's layout and a batch split into its micro-batches, the form
-    `comm_volume` and the memory model read (grad_accum = micro-batches per step)."""
+    `comm_volume`, the memory model and the layout specs read: the trainer's pipeline
+    takes them as parallel.microbatches (train.grad_accum = 1, as it requires), anything
+    else as train.grad_accum."""
+    micro_batches = global_batch // (plan.data * plan.micro_batch)
+    stages = (plan.pp, micro_batches, plan.repeats) if plan.pipelined else (1, 1, 1)
     parallel = dataclasses.replace(
         config.parallel,
         attention=plan.attention,
@@ -743,9 +942,12 @@ def sized_config(config: Config, plan: Plan, global_batch: int) -> Config:
         expert_fsdp=plan.expert_fsdp,
         overlap_chunks=plan.overlap_chunks,
         collective_matmul=plan.collective_matmul,
+        stages=stages[0],
+        microbatches=stages[1],
+        repeats=stages[2],
     )
-    micro_batches = global_batch // (plan.data * plan.micro_batch)
-    train = dataclasses.replace(config.train, batch_size=global_batch, grad_accum=micro_batches)
+    accumulation = 1 if plan.pipelined else micro_batches
+    train = dataclasses.replace(config.train, batch_size=global_batch, grad_accum=accumulation)
     model = dataclasses.replace(config.model, remat=plan.remat or config.model.remat)
     return dataclasses.replace(config, model=model, parallel=parallel, train=train)
 

@@ -1,0 +1,59 @@
+"""The trainer with a pipeline: `parallel.stages=2` trains end to end on 8 CPU devices,
+in one process and as two processes of one stage each (`launch/local.py -n 2`), and logs
+the losses of the one-stage run over the same micro-batches (`train.grad_accum=M`)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.multihost import flags, losses, run
+
+STEPS = 10
+SETTINGS = {
+    "model.num_layers": 4,
+    "model.num_heads": 8,
+    "model.embed_dim": 32,
+    "model.head_dim": 8,
+    "model.mlp_dim": 64,
+    "moe.expert_mlp_dim": 32,
+    "train.batch_size": 8,
+    "train.seq_len": 32,
+    "train.log_every": 1,
+    "train.eval_every": 5,
+    "train.eval_batches": 1,
+    "train.checkpoint_every": 5,
+    "data.source": "synthetic",
+    "parallel.attention": "sp",
+    "parallel.experts": "ep_a2a",
+    "parallel.intra": 4,
+}
+PIPELINE = {"parallel.stages": 2, "parallel.microbatches": 4}
+ONE_STAGE = {"parallel.data": 2, "train.grad_accum": 4}
+
+
+def _train(workdir: Path, settings: dict, processes: int = 1) -> dict[int, float]:
+    command = [sys.executable, "-m", "moe_jax.train"]
+    if processes > 1:
+        command = [sys.executable, "launch/local.py", "-n", str(processes), "--devices", "4", "--"]
+    devices = 8 // processes
+    done = run([*command, f"--workdir={workdir}", *flags(settings, STEPS)], devices=devices)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = losses(workdir)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    return got
+
+
+@pytest.fixture(scope="module")
+def one_stage(tmp_path_factory) -> dict[int, float]:
+    return _train(tmp_path_factory.mktemp("one_stage"), {**SETTINGS, **ONE_STAGE})
+
+
+@pytest.mark.parametrize("processes", [1, 2], ids=["one_process", "a_process_per_stage"])
+def test_two_stages_log_the_one_stage_losses(tmp_path, one_stage, processes):
+    got = _train(tmp_path / "run", {**SETTINGS, **PIPELINE}, processes)
+    np.testing.assert_allclose([got[s] for s in sorted(got)], [one_stage[s] for s in sorted(got)], rtol=1e-5)
+    assert (tmp_path / "run" / "checkpoints" / str(STEPS)).is_dir()
