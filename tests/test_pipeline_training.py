@@ -55,5 +55,6 @@ def one_stage(tmp_path_factory) -> dict[int, float]:
 @pytest.mark.parametrize("processes", [1, 2], ids=["one_process", "a_process_per_stage"])
 def test_two_stages_log_the_one_stage_losses(tmp_path, one_stage, processes):
     got = _train(tmp_path / "run", {**SETTINGS, **PIPELINE}, processes)
-    np.testing.assert_allclose([got[s] for s in sorted(got)], [one_stage[s] for s in sorted(got)], rtol=1e-5)
+    steps = sorted(got)
+    np.testing.assert_allclose([got[s] for s in steps], [one_stage[s] for s in steps], rtol=1e-5)
     assert (tmp_path / "run" / "checkpoints" / str(STEPS)).is_dir()

@@ -44,6 +44,112 @@ def test_bubble_is_one_f_one_b():
     assert sum(cost.breakdown.values()) == pytest.approx(cost.step_s)
 
 
+def _pipeline(name: str, plan: Plan, batch: int) -> cost_model.CostModel:
+    """The cost model of a plan of a config, checked to be one the trainer runs."""
+    config = load(name)
+    assert planner.problem(config, plan, batch, H800) is None
+    return cost_model.CostModel(config, plan, H800, batch, cost_model.Efficiency())
+
+
+def test_pipeline_step_is_gpipe_ticks_and_the_parts_outside():
+    """The trainer's pipeline, DeepSeekMoE-16B (1 dense layer, then 27 MoE units) over
+    S = 3 stages and M = 96 / (4 x 2) = 12 micro-batches: M + S - 1 = 14 ticks of one
+    9-unit group each, S - 1 = 2 of them bubble, 2/14 of the pipelined part. Each tick
+    runs its forward once more (rematerialised) and sends 1024 tokens of 2048 bf16 on
+    and back over the network; the dense layer and head run for K = 4 micro-batches per
+    stage outside the ticks, after 4 (S - 1) sends of those to stage 0 and back."""
+    model = _pipeline("deepseek_moe_16b", Plan("sp", "ep_a2a", 8, 4, 3, micro_batch=2), 96)
+    cost = model.step()
+    send = 10e-6 + 1024 * 2048 * 2 / (H800.network_bandwidth * 0.88)
+    assert model.send_s(model.t) == pytest.approx(send)
+    tick = model.tick().seconds
+    group = 9 * (model.unit().seconds + model.unit(forward_only=True).seconds)
+    assert tick == pytest.approx(group + model.accumulation_s(model.group_params()) + 2 * send)
+    assert cost.micro_batches == 12 and cost.micro_batch_s == pytest.approx(tick)
+    pipelined = 14 * tick
+    assert cost.breakdown["bubble"] == pytest.approx(2 / 14 * pipelined)
+    assert cost.bubble == pytest.approx(2 / 14) == cost_model.bubble_fraction(3, 12)
+    outside = model.outside_params()
+    rest = (
+        4 * model.outside().seconds
+        + model.accumulation_s(outside, passes=1)
+        + 4 * 2 * model.send_s(4 * model.t)
+        + model.pipeline_sync_s()
+        + model.optimizer_s(model.group_params() + outside)
+    )
+    assert cost.step_s == pytest.approx(pipelined + rest)
+    assert sum(cost.breakdown.values()) == pytest.approx(cost.step_s)
+    assert cost.hidden["grad_sync"] == 0  # summed once, after the backward
+
+
+def test_circular_repeats_shrink_the_bubble():
+    """Mixtral-8x7B over S = 4 stages, M = 16 / (2 x 1) = 8 micro-batches: R = 2 repeats
+    cut the bubble from 3/11 to 3/19 of the ticks, and halve each tick's group (16 units
+    to 8), so the bubble's seconds fall to half but for the sends, which do not shrink."""
+    models = {
+        r: _pipeline("mixtral_8x7b", Plan("sp", "ep_a2a", 8, 2, 4, repeats=r), 16) for r in (1, 2)
+    }
+    costs = {r: m.step() for r, m in models.items()}
+    assert costs[1].bubble == pytest.approx(3 / 11)
+    assert costs[2].bubble == pytest.approx(3 / 19) == cost_model.bubble_fraction(4, 8, 2)
+    sends = 2 * models[1].send_s(models[1].t)
+    tick = models[1].tick().seconds
+    assert costs[2].breakdown["bubble"] == pytest.approx(3 * ((tick - sends) / 2 + sends))
+    assert costs[2].breakdown["bubble"] < 0.51 * costs[1].breakdown["bubble"]
+    assert costs[2].step_s < costs[1].step_s
+
+
+@pytest.mark.parametrize(
+    "name,gpus,batch", [("mixtral_8x7b", 64, 64), ("deepseek_moe_16b", 72, 1152)]
+)
+def test_every_pipeline_planned_is_one_the_trainer_runs(name: str, gpus: int, batch: int):
+    """Whatever pipeline the planner offers passes the trainer's own checks for its
+    devices: the MoE stack cut into S R whole groups, M a multiple of S, grad_accum 1."""
+    config = load(name)
+    planned = [p for p in planner.plans(config, gpus, H800, batch, micro_batch=1) if p.pp > 1]
+    assert {p.repeats for p in planned} >= ({1, 2, 4} if name == "mixtral_8x7b" else {1})
+    for plan in planned:
+        sized = cost_model.sized_config(config, plan, batch)
+        assert plan.devices == gpus and sized.train.grad_accum == 1
+        assert (sized.parallel.stages, sized.parallel.repeats) == (plan.pp, plan.repeats)
+        assert not registry.pipeline_problems(sized), plan
+        assert not registry.problems(sized, gpus, "gpu"), plan
+
+
+def test_choose_plan_pipelines_only_without_grad_accum():
+    """Mixtral-8x7B's first 8 layers on 16 GPUs (two nodes): the trainer is given a
+    pipeline it runs on these devices, its micro-batches as its accumulation; a
+    configured train.grad_accum rules pipelines out."""
+    from moe_jax.plan.resolve import check_plan
+
+    mixtral = load("mixtral_8x7b")
+    config = dataclasses.replace(
+        mixtral,
+        model=dataclasses.replace(mixtral.model, num_layers=8),
+        train=dataclasses.replace(mixtral.train, batch_size=16),
+    )
+    chosen = planner.choose_plan(config, 16, "h800")
+    assert chosen["stages"] > 1 and chosen["microbatches"] % chosen["stages"] == 0
+    resolved = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, **chosen))
+    assert check_plan(resolved, 16).parallel == resolved.parallel
+    accumulated = dataclasses.replace(config, train=dataclasses.replace(config.train, grad_accum=2))
+    flat = planner.choose_plan(accumulated, 16, "h800")
+    assert (flat["stages"], flat["microbatches"], flat["repeats"]) == (1, 1, 1)
+
+
+def test_megascale_352b_on_1440_gpus_is_a_pipeline_the_trainer_runs():
+    """The 352B model on 1440 H800 (global batch 720): the best plan that fits is a
+    pipeline the trainer runs, its bubble its formula's."""
+    config = load("megascale_352b")
+    best = planner.rank(config, 1440, H800, 720, limit=1).best
+    plan, cost = best.plan, best.cost
+    assert plan.pipelined and planner.fits(best.memory, H800)
+    assert not registry.problems(cost_model.sized_config(config, plan, 720), 1440, "gpu")
+    ticks = cost.micro_batches * plan.repeats + plan.pp - 1
+    assert cost.bubble == pytest.approx((plan.pp - 1) / ticks)
+    assert cost.breakdown["bubble"] == pytest.approx((plan.pp - 1) * cost.micro_batch_s)
+
+
 def test_ring_all_gather_is_alpha_beta():
     link = Link(bandwidth=156e9, latency=3e-6)
     result = 64e6  # bytes per device after the gather
@@ -258,7 +364,9 @@ def test_selective_remat_and_bf16_gradients_cost_less():
     assert selective.breakdown["expert_gemm"] == pytest.approx(none.breakdown["expert_gemm"])
     bf16 = cost_model.step_cost(config, dataclasses.replace(base, grad_dtype="bfloat16"), H800, 720)
     total = lambda c: c.breakdown["grad_sync"] + c.hidden["grad_sync"]
-    latency = 7 * 2 * 3e-6 + 11 * 2 * 10e-6
+    # intra node, across the 12 data groups, and (embedding and head, held by every stage)
+    # across the 12 x 15 devices of 'data' and 'stage'
+    latency = 7 * 2 * 3e-6 + 11 * 2 * 10e-6 + (12 * 15 - 1) * 2 * 10e-6
     assert total(bf16) - latency == pytest.approx((total(full) - latency) / 2)
 
 
@@ -297,8 +405,9 @@ def test_mixtral_on_one_node_chooses_expert_parallelism():
 def test_choose_plan_returns_trainer_settings():
     choice = planner.choose_plan(load("mixtral_tiny"), 8, "h800")
     settings = {"attention", "experts", "intra", "data", "zero", "etp", "expert_fsdp"}
-    assert set(choice) == settings | {"overlap_chunks", "collective_matmul"}
-    assert choice["intra"] * choice["data"] == 8
+    pipeline = {"stages", "microbatches", "repeats"}
+    assert set(choice) == settings | {"overlap_chunks", "collective_matmul"} | pipeline
+    assert choice["intra"] * choice["data"] * choice["stages"] == 8
     parallel = dataclasses.replace(load("mixtral_tiny").parallel, **choice)
     config_lib.validate(dataclasses.replace(load("mixtral_tiny"), parallel=parallel))
 

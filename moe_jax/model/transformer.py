@@ -70,7 +70,14 @@ class Stack(nnx.Module):
     created as and checkpointed in."""
 
     def __init__(
-        self, cfg: ModelConfig, moe, num_dense: int, repeats: int, *, rngs, layout,
+        self,
+        cfg: ModelConfig,
+        moe,
+        num_dense: int,
+        repeats: int,
+        *,
+        rngs,
+        layout,
         pipelined: bool = False,
     ):
         @nnx.split_rngs(splits=repeats)
@@ -128,7 +135,12 @@ class Transformer(nnx.Module):
         )
         self.moe = (
             Stack(
-                cfg, moe, cfg.moe_every - 1, cfg.num_moe_layers, rngs=rngs, layout=layout,
+                cfg,
+                moe,
+                cfg.moe_every - 1,
+                cfg.num_moe_layers,
+                rngs=rngs,
+                layout=layout,
                 pipelined=True,
             )
             if cfg.num_moe_layers

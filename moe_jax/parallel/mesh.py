@@ -3,10 +3,10 @@ mesh, a `Layout`, and shardings.
 
 One mesh with axes ('stage', 'data', 'expert', 'tensor'): `stage` pipeline stages
 (outermost: consecutive devices, i.e. the nodes of a stage, stay together), each of
-`data` data-parallel groups of an intra group of n = expert * tensor devices. Attention and dense blocks
-use the intra group as one axis; expert blocks split experts over 'expert'
-and expert width over 'tensor'. Parameters are placed by logical-axis rules
-that come with the layout's specs (`moe_jax.parallel.registry`).
+`data` data-parallel groups of an intra group of n = expert * tensor devices.
+Attention and dense blocks use the intra group as one axis; expert blocks split
+experts over 'expert' and expert width over 'tensor'. Parameters are placed by
+logical-axis rules that come with the layout's specs (`moe_jax.parallel.registry`).
 """
 
 from __future__ import annotations

@@ -102,7 +102,8 @@ def _run(layout: Layout, run_group, params, rest, x, positions, bubble: float):
         buffer = _keep_returned(buffer, received, first & (t >= stages), (t - stages) % m)
         i = t - me
         valid = (i >= 0) & (i < m * repeats)
-        x_in = jnp.where(first, jax.lax.dynamic_index_in_dim(buffer, t % m, keepdims=False), received)
+        slot = jax.lax.dynamic_index_in_dim(buffer, t % m, keepdims=False)
+        x_in = jnp.where(first, slot, received)
         x_in = jnp.where(valid, x_in, jnp.zeros_like(x_in))
         y, stats = stage_fn(params, rest, x_in, t)
         r = jnp.clip(i // m, 0, repeats - 1)

@@ -49,7 +49,8 @@ def expert_split(config) -> tuple[int, int]:
 def mesh_sizes(config) -> dict[str, int]:
     """Sizes of the mesh axes of a resolved plan."""
     expert, tensor = expert_split(config)
-    return {STAGE: config.parallel.stages, DATA: config.parallel.data, EXPERT: expert, TENSOR: tensor}
+    p = config.parallel
+    return {STAGE: p.stages, DATA: p.data, EXPERT: expert, TENSOR: tensor}
 
 
 def param_rules(config) -> tuple:
@@ -128,7 +129,8 @@ def problems(config, num_devices: int, platform: str) -> list[str]:
             f"divisible by the parallel.intra={p.intra} devices parallel.attention="
             f"{attention.name!r} splits the sequence over"
         )
-    sequences = t.batch_size // max(1, batch_split * t.grad_accum)  # a device's micro-batch
+    micro = p.microbatches if p.stages > 1 else t.grad_accum
+    sequences = t.batch_size // max(1, batch_split * micro)  # a device's micro-batch
     if attention.chunks_batch and p.overlap_chunks > 1 and sequences % p.overlap_chunks:
         found.append(
             f"parallel.overlap_chunks={p.overlap_chunks} must divide the {sequences} sequences "

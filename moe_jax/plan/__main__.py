@@ -3,8 +3,11 @@
 
 Ranks every layout of the config that fits on N GPUs by predicted step time and
 explains the winner (compute, exposed communication per kind, bubble, memory).
+Pipelines are the trainer's: GPipe over the MoE layer stack with R circular repeats
+(column R), a bubble of (S-1)/(M R + S - 1) of the ticks.
 `--compare=megatron` adds the Megatron-LM baseline (tensor parallelism over the node
-for attention and experts, same pipeline, no overlap) and the speed-up over it.
+for attention and experts, as many stages in its 1F1B pipeline, no overlap) and the
+speed-up over it.
 Nothing is compiled or run: a few seconds on a laptop. With `--json` the last line of
 stdout is one JSON object: {"best": {...}, "baseline": {...} or null, "speedup", ...}.
 Sequence length comes from train.seq_len; the global batch (sequences) from
@@ -50,7 +53,7 @@ def define_flags() -> None:
 
 def table(ranking: planner.Ranking, top: int) -> list[str]:
     lines = [
-        f"{'#':>3} {'plan':<26}{'n':>3}{'pp':>4}{'data':>6}{'mb':>4}{'step ms':>11}"
+        f"{'#':>3} {'plan':<26}{'n':>3}{'pp':>4}{'R':>3}{'data':>6}{'mb':>4}{'step ms':>11}"
         f"{'tokens/s':>13}{'MFU':>7}{'bubble':>8}{'comm ms':>10}{'mem GB':>8}"
     ]
     for i, c in enumerate(ranking.candidates[:top], 1):
@@ -66,7 +69,7 @@ def _row(tag: str, c: planner.Candidate) -> str:
     label += f"+c{p.overlap_chunks}" if p.overlap_chunks > 1 else ""
     label += "+cm" if p.collective_matmul else ""
     return (
-        f"{tag:>3} {label:<26}{p.intra:>3}{p.pp:>4}{p.data:>6}{p.micro_batch:>4}"
+        f"{tag:>3} {label:<26}{p.intra:>3}{p.pp:>4}{p.repeats:>3}{p.data:>6}{p.micro_batch:>4}"
         f"{cost.step_s * 1e3:>11.3f}{cost.tokens_per_sec:>13,.0f}{cost.mfu:>7.1%}"
         f"{cost.bubble:>8.1%}{comm * 1e3:>10.3f}{c.memory.total / 1e9:>8.1f}"
     )
@@ -109,7 +112,7 @@ def main(argv: list[str]) -> None:
     speedup = None
     if baseline is not None:
         speedup = best.cost.tokens_per_sec / baseline.cost.tokens_per_sec
-        print(f"baseline megatron (tp+etp, n={baseline.plan.intra}, no overlap):")
+        print(f"baseline megatron (tp+etp, n={baseline.plan.intra}, no overlap, 1F1B):")
         print(_row("M", baseline))
         print(f"speed-up of the best plan over megatron: {speedup:.2f}x")
     if f.json:

@@ -86,6 +86,7 @@ paper's table:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 from moe_jax.config import Config
@@ -121,8 +122,8 @@ def overlap_name(chunks: int, collective_matmul: bool, search: str = "") -> str:
 
 
 GRAD_SYNCS = ("hierarchical", "per_micro_batch")
-# The trainer's pipeline (GPipe, circular repeats) and the paper's systems' 1F1B, which
-# `moe_jax.plan.paper_table` and the Megatron-LM baseline model and the trainer never runs.
+# Pipeline schedules: the trainer's (GPipe, circular repeats), and the 1F1B of the paper's
+# systems, for `moe_jax.plan.paper_table` and the Megatron-LM baseline only.
 SCHEDULES = ("gpipe", "1f1b")
 PAPER_SCHEDULE = "1f1b"
 REPEAT_CHOICES = (1, 2, 4)  # parallel.repeats the planner tries
@@ -729,8 +730,8 @@ class CostModel:
         return params / shards * ADAM_BYTES_PER_PARAM / bandwidth
 
     def step(self) -> StepCost:
-        pipelined = self.gpipe_step() if self.plan.pipelined else self.one_f_one_b_step()
-        return self._cost(*pipelined)
+        run = self.gpipe_step if self.plan.pipelined else self.one_f_one_b_step
+        return self._cost(*run())
 
     def one_f_one_b_step(self) -> tuple[dict[str, float], dict[str, float], float]:
         """(breakdown, hidden, slowest stage's micro-batch seconds) of m micro-batches
@@ -786,9 +787,11 @@ class CostModel:
 
     def layer_forward(self, moe: bool) -> Tally:
         """One forward of a layer: what rematerialising a tick runs once more."""
-        second = (self.moe_ops(), self.moe_exchanges()) if moe else (self.mlp_ops(), self.mlp_exchanges())
         tally = self._pass(self.attention_ops(), self.attention_exchanges(), backward=False)
-        tally.add(self._pass(*second, backward=False))
+        if moe:
+            tally.add(self._pass(self.moe_ops(), self.moe_exchanges(), backward=False))
+        else:
+            tally.add(self._pass(self.mlp_ops(), self.mlp_exchanges(), backward=False))
         return tally
 
     def group_params(self) -> float:
@@ -853,54 +856,86 @@ class CostModel:
         tick loop's backward. Each device sums its stage's 1/S of the stack over the mesh
         axes the stack is replicated on, and what every stage holds (embedding, head,
         dense prefix) over 'stage' as well."""
-        from moe_jax.plan import memory
+        sizes = registry.mesh_sizes(self.sized)
+        shards = _shards(_placement_key(self.sized))
+        return _sync_time([sent for shard in shards for sent in self._sync(shard, sizes)])
 
-        sizes = memory.mesh_sizes(self.sized)
-        traffic = [
-            sent
-            for array in memory.state_arrays(self.sized)
-            if array.part == "params"
-            for sent in self._array_sync(array, sizes)
-        ]
-        return _sync_time(traffic)
-
-    def _array_sync(self, array, sizes: dict[str, int]) -> list[tuple[float, int, Link]]:
-        """(bytes, group, link) one device sends to sum one parameter's gradient. Its
-        devices of the intra group first, then across 'data' (and 'stage'):
-        `Plan.grad_sync` "hierarchical" is the paper's form (intra-node all-reduce, then
-        one of the 1/n shard across nodes, in `Plan.grad_dtype`); else the trainer's
+    def _sync(self, shard: _Shard, sizes: dict[str, int]) -> list[tuple[float, int, Link]]:
+        """(bytes, group, link) one device sends to sum one parameter's gradient over its
+        devices of the intra group, then across 'data' (and 'stage'). `Plan.grad_sync`
+        "hierarchical" is the paper's form (intra-node all-reduce, then one of the 1/n
+        shard across nodes, in `Plan.grad_dtype`); else the trainer's
         `parallel.grad_exchange`: one float32 all-reduce over the whole group, or
         'bf16_a2a' (bf16 all-to-alls, intra group first, the float32 shards gathered
-        back: 3/4 of the paper's bytes), with ZeRO-1's gather of the updated parameters.
-        FSDP's gradients are reduce-scattered over 'data' in every micro-batch's
-        backward (the transpose of its weight gathers)."""
-        from moe_jax.plan import memory
-
-        p = self.plan
-        form = "hierarchical" if p.grad_sync == "hierarchical" else self.sized.parallel.grad_exchange
-        scale = {"hierarchical": comm_volume.DTYPE_BYTES[p.grad_dtype] / PARAM_BYTES}
-        scale = scale.get(form, 0.75 if form == "bf16_a2a" else 1.0)
-        splits = {a for entry in memory.placement(self.sized, array) for a in axes_of(entry)}
-        piped = array.stack == "moe"
-        size = memory.device_bytes(self.sized, array) / (p.pp if piped and STAGE not in splits else 1)
+        back: 3/4 of the paper's float32 bytes), with ZeRO-1's gather of the updated
+        parameters. FSDP's gradients are reduce-scattered over 'data' in every
+        micro-batch's backward (the transpose of its weight gathers)."""
+        p, splits = self.plan, shard.splits
+        form = (
+            "hierarchical" if p.grad_sync == "hierarchical" else self.sized.parallel.grad_exchange
+        )
+        dtype = comm_volume.DTYPE_BYTES[p.grad_dtype] / PARAM_BYTES
+        size = shard.bytes / (p.pp if shard.piped and STAGE not in splits else 1)
         inner = math.prod(sizes[a] for a in INTRA if a not in splits)
-        outer = (1 if DATA in splits else p.data) * (1 if piped else p.pp)
-        far = self.data_link if piped else self.stage_link
+        outer = (1 if DATA in splits else p.data) * (1 if shard.piped else p.pp)
+        far = self.data_link if shard.piped else self.stage_link
         out = []
         if DATA in splits:
-            passes = self.micro_batches if piped else 1
-            out.append((passes * size * (p.data - 1) * min(scale, 2 / 3) * 3 / 2, p.data, self.data_link))
+            passes = self.micro_batches if shard.piped else 1
+            scatter = {"fp32": 1.0, "bf16_a2a": 0.5}.get(form, dtype)
+            out.append((passes * scatter * size * (p.data - 1), p.data, self.data_link))
         if form == "fp32":
             group = inner * outer
             out.append((2 * size * (group - 1) / group, group, far if outer > 1 else self.intra))
         else:
+            scale = 0.75 if form == "bf16_a2a" else dtype
             out.append((scale * 2 * size * (inner - 1) / inner, inner, self.intra))
             out.append((scale * 2 * size / inner * (outer - 1) / outer, outer, far))
-        moment = memory.placement(self.sized, dataclasses.replace(array, moment=True))
-        zero = DATA in {a for entry in moment for a in axes_of(entry)} and DATA not in splits
-        if form != "hierarchical" and p.zero and zero:
+        if form != "hierarchical" and p.zero and DATA in shard.moment_splits - splits:
             out.append((size * (p.data - 1) / p.data, p.data, self.data_link))
         return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shard:
+    """One parameter as a device holds it: what its gradient sum needs."""
+
+    piped: bool  # of the pipelined MoE stack (split over 'stage' when pipelined)
+    bytes: int  # on one device, the stack unsplit over 'stage'
+    splits: frozenset[str]  # mesh axes it is split over
+    moment_splits: frozenset[str]  # those of its optimizer moments (ZeRO-1: 'data')
+
+
+def _placement_key(sized: Config) -> Config:
+    """`sized` without the settings parameter placement ignores (one cache entry for
+    every micro-batch and overlap setting of a layout)."""
+    parallel = dataclasses.replace(
+        sized.parallel, overlap_chunks=1, collective_matmul=False, microbatches=1, repeats=1
+    )
+    train = dataclasses.replace(sized.train, batch_size=1, grad_accum=1)
+    return dataclasses.replace(sized, parallel=parallel, train=train)
+
+
+@functools.lru_cache(maxsize=1024)
+def _shards(config: Config) -> tuple[_Shard, ...]:
+    """Every parameter of the train state as one device holds it under `config`."""
+    from moe_jax.plan import memory
+
+    return tuple(
+        _Shard(
+            piped=array.stack == "moe",
+            bytes=memory.device_bytes(config, array),
+            splits=_axes(memory.placement(config, array)),
+            moment_splits=_axes(memory.placement(config, dataclasses.replace(array, moment=True))),
+        )
+        for array in memory.state_arrays(config)
+        if array.part == "params"
+    )
+
+
+def _axes(spec) -> frozenset[str]:
+    """Mesh axes a placement splits over."""
+    return frozenset(a for entry in spec for a in axes_of(entry))
 
 
 def _sync_time(traffic: list[tuple[float, int, Link]]) -> float:

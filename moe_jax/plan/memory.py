@@ -502,24 +502,33 @@ def pipeline_activation_bytes(
     of one micro-batch on one device:
 
     * tick_inputs: (M R + S - 1) a, every tick's input, kept for its recompute;
-    * buffers: 2 M a, stage 0's micro-batch buffer and, in the backward, its cotangent;
-    * outside: what the embedding, dense prefix and head keep for the K = M / S
-      micro-batches each stage runs outside the pipeline (one batch of K b sequences),
-      and their K a output;
-    * working: the larger of one tick's backward (its group's units recomputed under
-      model.remat, then one unit's backward) and the outside part's."""
+    * buffer: M a, stage 0's micro-batch buffer (its cotangent in the backward takes
+      the same memory once the forward's is dead);
+    * outside: what the dense prefix keeps for the K = M / S micro-batches each stage
+      runs outside the pipeline (one batch of K b sequences);
+    * working: the largest transient: one tick's backward (its group's units recomputed
+      under model.remat, then one unit's backward), or the outside part's backward with
+      the head and loss of the K micro-batches (a loss chunk's float32 logits and their
+      gradient).
+
+    Per micro-batch of M the device holds (R + 1) a more (tests/test_pipeline.py
+    measures it in XLA's buffer assignment)."""
     z = _sizes(config, micro_batch)
     a = z.t * z.h * z.B
     k = micro // stages
     outside, piped = _split_units(config)
     group = piped[: len(piped) // (repeats * stages)]
     kept_g, working_g = stage_activation_bytes(config, group, False, micro_batch)
-    kept_o, working_o = stage_activation_bytes(config, outside, True, k * micro_batch)
+    kept_o, working_o = stage_activation_bytes(config, outside, False, k * micro_batch)
+    outer = _sizes(config, k * micro_batch)
+    # the head's backward holds a loss chunk's float32 logits and their gradient at once
+    chunks = loss_chunks(config, outer.b * config.parallel.data, outer.s)
+    head = _head_bytes(config, outer) + outer.t * config.model.vocab_size * FP32 // chunks
     return {
         "tick_inputs": (micro * repeats + stages - 1) * a,
-        "buffers": 2 * micro * a,
-        "outside": kept_o + k * a,
-        "working": max(kept_g + working_g, working_o),
+        "buffer": micro * a,
+        "outside": kept_o,
+        "working": max(kept_g + working_g, working_o + head),
     }
 
 

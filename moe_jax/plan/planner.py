@@ -84,18 +84,45 @@ def problem(
     config: Config, plan: Plan, global_batch: int, gpu: GPU, platform: str = "gpu"
 ) -> str | None:
     """Why `plan` cannot run (the layout specs' own checks, as the trainer applies them,
-    plus the cluster's: a node's size, the pipeline's depth), or None."""
+    the pipeline's among them, plus the cluster's: a node's size, the pipeline's depth),
+    or None. A pipelined plan must also run as one of its micro-batches would without a
+    pipeline: each tick runs one through the same blocks."""
     m = config.model
     n, d = plan.intra, plan.data
     if n > gpu.gpus_per_node:
         return f"intra group of {n} spans nodes"
     if plan.pp > m.num_layers:
         return f"{plan.pp} stages for {m.num_layers} layers"
+    if plan.repeats > 1 and not plan.pipelined:
+        return f"{plan.repeats} repeats without the trainer's pipeline"
     if global_batch % (d * plan.micro_batch):
         return f"batch {global_batch} does not split into {d} x {plan.micro_batch}"
     sized = cost_model.sized_config(config, plan, global_batch)
-    found = registry.problems(sized, n * d, platform)
+    found = registry.problems(sized, sized.parallel.stages * n * d, platform)
+    if not found and plan.pipelined:
+        flat = cost_model.sized_config(config, dataclasses.replace(plan, pp=1), global_batch)
+        found = registry.problems(flat, n * d, platform)
     return found[0] if found else None
+
+
+def _stages(config: Config, gpus: int, pp: int | None, schedule: str) -> list[int]:
+    """Pipeline depths to search: the trainer's pipelines its MoE layer stack (at least
+    one unit per stage), 1F1B cuts all layers evenly (as Megatron-LM requires)."""
+    if pp:
+        return [pp]
+    m = config.model
+    if schedule == cost_model.PAPER_SCHEDULE:
+        return [s for s in _divisors(gpus) if m.num_layers % s == 0]
+    units = m.num_moe_layers
+    return [s for s in _divisors(gpus) if s == 1 or (units % s == 0 and units >= s)]
+
+
+def _repeats(config: Config, pp: int, schedule: str) -> list[int]:
+    """parallel.repeats to search: R groups of the stack per stage, each of whole units."""
+    if pp == 1 or schedule == cost_model.PAPER_SCHEDULE:
+        return [1]
+    units = config.model.num_moe_layers
+    return [r for r in cost_model.REPEAT_CHOICES if units % (pp * r) == 0 and units >= pp * r]
 
 
 def plans(
@@ -113,18 +140,20 @@ def plans(
     grad_sync: str = "hierarchical",
     remat: str = "",
     grad_dtype: str = "float32",
+    schedule: str = "gpipe",
+    min_pp: int = 1,
 ) -> Iterator[Plan]:
     """Every plan the trainer's rules allow (memory not yet checked). ZeRO-1 is
     used whenever there is data parallelism: it moves the same bytes as an all-reduce
-    and shrinks the optimizer state. Searched pipelines cut the layers evenly (as
-    Megatron-LM requires); `micro_batches` fixes the micro-batches per step,
-    `micro_batch` the sequences in each; `grad_sync` picks the gradient sync model,
-    `remat` the recompute ("" = the config's; the memory model follows it),
-    `grad_dtype` the precision of the gradient exchange and `overlap` the overlap
-    settings tried (`cost_model.SEARCHES`; "both": all the trainer runs)."""
-    layers = config.model.num_layers
-    stages = [pp] if pp else [s for s in _divisors(gpus) if layers % s == 0]
-    for p in stages:
+    and shrinks the optimizer state. Pipelines are the trainer's (`schedule` "gpipe",
+    with `cost_model.REPEAT_CHOICES` circular repeats where the MoE stack divides) or,
+    for the paper's systems only, 1F1B (`cost_model.PAPER_SCHEDULE`); `micro_batches`
+    fixes the micro-batches per step, `micro_batch` the sequences in each; `grad_sync`
+    picks the gradient sync model, `remat` the recompute ("" = the config's; the memory
+    model follows it), `grad_dtype` the precision of the gradient exchange and `overlap`
+    the overlap settings tried (`cost_model.SEARCHES`; "both": all the trainer runs);
+    `min_pp` leaves out shallower pipelines."""
+    for p in (s for s in _stages(config, gpus, pp, schedule) if s >= min_pp):
         for n in intra:
             if gpus % (n * p):
                 continue
@@ -135,13 +164,21 @@ def plans(
                 sizes = [per_group // micro_batches] if per_group % micro_batches == 0 else []
             if micro_batch:
                 sizes = [b for b in sizes if b == micro_batch]
+            if p > 1 and schedule != cost_model.PAPER_SCHEDULE:  # each stage takes M / S
+                sizes = [b for b in sizes if b > 0 and (per_group // b) % p == 0]
             kinds = _layouts(n, data, attention, experts)
             # Expert weights over 'data' too, where there is data parallelism.
             fsdp = (False, True) if data > 1 else (False,)
             # A ring over one device is no ring: the plan without it stands for it.
             overlaps = [o for o in cost_model.SEARCHES[overlap] if n > 1 or not o[1]]
-            for (att, exp, etp), b, split, (c, ring) in (
-                (k, b, f, o) for k in kinds for b in sizes if b > 0 for f in fsdp for o in overlaps
+            for (att, exp, etp), b, split, (c, ring), r in (
+                (k, b, f, o, r)
+                for k in kinds
+                for b in sizes
+                if b > 0
+                for f in fsdp
+                for o in overlaps
+                for r in _repeats(config, p, schedule)
             ):
                 plan = Plan(
                     att,
@@ -159,6 +196,8 @@ def plans(
                     remat=remat,
                     grad_dtype=grad_dtype,
                     expert_fsdp=split,
+                    repeats=r,
+                    schedule=schedule,
                 )
                 if problem(config, plan, global_batch, gpu) is None:
                     yield plan
@@ -202,7 +241,7 @@ def rank(
 ) -> Ranking:
     """Plans fastest first, each checked for memory in that order until `limit` fit
     (None: all); restrict the search with attention=, experts=, intra=, micro_batches=,
-    or with `accept`, asked of each plan in rank order before its memory."""
+    min_pp= (`plans`), or with `accept`, asked of each plan in rank order before its memory."""
     gpu = get(gpu) if isinstance(gpu, str) else gpu
     batch = global_batch or config.train.batch_size
     eff = eff or Efficiency()
@@ -251,7 +290,8 @@ def megatron_baseline(
     micro_batch: int | None = None,
 ) -> Ranking:
     """Megatron-LM as the paper ran it: tensor parallelism over the node (n = 8) for
-    attention (with sequence-parallel norms) and experts, no token-exchange overlap."""
+    attention (with sequence-parallel norms) and experts, no token-exchange overlap,
+    its 1F1B pipeline."""
     gpu = get(gpu) if isinstance(gpu, str) else gpu
     n = gpu.gpus_per_node
     return rank(
@@ -268,20 +308,24 @@ def megatron_baseline(
         experts=("etp",),
         intra=(n,),
         micro_batch=micro_batch,
+        schedule=cost_model.PAPER_SCHEDULE,
     )
 
 
 def choose_plan(config: Config, num_devices: int, gpu: GPU | str = "h800") -> dict:
     """The fastest plan the trainer can run on `num_devices` devices of this process's
-    backend (no pipeline), as the `config.parallel` settings to apply. The batch and
-    `train.grad_accum` stay as configured, gradients sync as the trainer compiles them
-    (inside every micro-batch's backward), and plans the layout specs reject for these
-    devices are skipped."""
+    backend, as the `config.parallel` settings to apply, its pipeline's among them. The
+    batch and `train.grad_accum` stay as configured: a pipeline only where grad_accum is
+    1 (its micro-batches are the accumulation), none otherwise. Gradients sync as the
+    trainer compiles them, and plans the layout specs reject for these devices are
+    skipped."""
     import jax  # only the trainer's path needs the backend
 
     platform = jax.default_backend()
+    batch = config.train.batch_size
 
     def settings(plan: Plan) -> dict:
+        sized = cost_model.sized_config(config, plan, batch).parallel
         return {
             "attention": plan.attention,
             "experts": plan.experts,
@@ -292,6 +336,9 @@ def choose_plan(config: Config, num_devices: int, gpu: GPU | str = "h800") -> di
             "expert_fsdp": plan.expert_fsdp,
             "overlap_chunks": plan.overlap_chunks,
             "collective_matmul": plan.collective_matmul,
+            "stages": sized.stages,
+            "microbatches": sized.microbatches,
+            "repeats": sized.repeats,
         }
 
     def runs(plan: Plan) -> bool:
@@ -299,17 +346,20 @@ def choose_plan(config: Config, num_devices: int, gpu: GPU | str = "h800") -> di
         resolved = dataclasses.replace(config, parallel=parallel)
         return not registry.problems(resolved, num_devices, platform)
 
-    ranking = rank(
+    search = dict(gpu=gpu, limit=1, grad_sync="per_micro_batch")
+    flat = rank(
         config,
         num_devices,
-        gpu,
         pp=1,
-        limit=1,
         accept=runs,
         micro_batches=config.train.grad_accum,
-        grad_sync="per_micro_batch",
+        **search,
     )
-    return settings(ranking.best.plan)
+    found = flat.candidates
+    if config.train.grad_accum == 1:
+        piped = rank(config, num_devices, accept=runs, min_pp=2, **search)
+        found = sorted(found + piped.candidates, key=lambda c: c.cost.step_s)
+    return settings(found[0].plan if found else flat.best.plan)
 
 
 def compute_comm_ratio(config: Config, gpu: GPU | str, n: int | None = None) -> float:
@@ -348,16 +398,16 @@ def explain(candidate: Candidate, gpu: GPU, runner_up: Candidate | None = None) 
     share = lambda key: f"{b.get(key, 0.0):.4g} s ({b.get(key, 0.0) / step:.0%})"
     compute = sum(b.get(k, 0.0) for k in COMPUTE)
     comm = sum(b.get(k, 0.0) for k in EXCHANGES)
+    p = cost.plan
     lines = [
-        f"why {cost.plan.label} (n={cost.plan.intra}, pp={cost.plan.pp}, "
-        f"data={cost.plan.data}, micro-batch={cost.plan.micro_batch}): step {step:.4g} s",
+        f"why {p.label} (n={p.intra}, pp={p.pp}, repeats={p.repeats}, data={p.data}, "
+        f"micro-batch={p.micro_batch}): step {step:.4g} s",
         f"  compute {compute:.4g} s: " + ", ".join(f"{k} {share(k)}" for k in COMPUTE if b.get(k)),
         f"  exposed communication {comm:.4g} s: "
         + (", ".join(f"{k} {share(k)}" for k in EXCHANGES if b.get(k)) or "none"),
         "  hidden behind compute: "
         + (", ".join(f"{k} {v:.4g} s" for k, v in cost.hidden.items() if v > 0) or "nothing"),
-        f"  pipeline bubble {share('bubble')} ({cost.bubble:.1%} of each stage's time, "
-        f"{cost.plan.pp} stages, {cost.micro_batches} micro-batches)",
+        f"  pipeline bubble {share('bubble')}: {_bubble(cost)}",
     ]
     if mem is not None:
         lines.append(
@@ -378,6 +428,19 @@ def explain(candidate: Candidate, gpu: GPU, runner_up: Candidate | None = None) 
             + (", ".join(f"{k} {v:+.3g} s" for k, v in big[:3]) or "no term differs")
         )
     return lines
+
+
+def _bubble(cost: StepCost) -> str:
+    """The bubble's share of a stage's ticks (or 1F1B micro-batches), by its formula."""
+    p, m = cost.plan, cost.micro_batches
+    if p.pp == 1:
+        return "no pipeline"
+    if not p.pipelined:
+        return f"{cost.bubble:.1%} of each stage's time (1F1B, (p-1)/(m+p-1), p={p.pp}, m={m})"
+    return (
+        f"{cost.bubble:.1%} of the pipelined ticks ((S-1)/(M R + S - 1), S={p.pp} stages, "
+        f"M={m} micro-batches, R={p.repeats} repeats)"
+    )
 
 
 def runner_up(ranking: Ranking) -> Candidate | None:
@@ -401,6 +464,8 @@ def summary(candidate: Candidate) -> dict:
         "experts": p.experts,
         "n": p.intra,
         "pp": p.pp,
+        "repeats": p.repeats,
+        "schedule": p.schedule,
         "data": p.data,
         "micro_batch": p.micro_batch,
         "zero": p.zero,
