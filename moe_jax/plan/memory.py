@@ -535,6 +535,7 @@ def pipeline_activation_bytes(
 def _pipeline_memory(config: Config, stages: int, micro_batch: int | None) -> Memory:
     p, t = config.parallel, config.train
     micro = p.microbatches if micro_batch is None else t.batch_size // (p.data * micro_batch)
+    micro = max(micro, stages)  # a config planned for `pp` stages without its micro-batches
     micro_batch = micro_batch or t.batch_size // (p.data * micro)
     outside, piped = _split_units(config)
     state = _state_bytes(config, outside + piped[: len(piped) // stages], True, True)
