@@ -164,13 +164,10 @@ class ParallelConfig:
     # gradient rounded once to bf16, exchanged by all-to-all into shards, summed in
     # float32; intra group first, then 'data').
     grad_exchange: str = "fp32"
-    # Pipeline parallelism (`moe_jax.parallel.pipeline`): the MoE layer stack cut into
-    # `stages` groups on an outer 'stage' mesh axis (1: no pipeline), fed `microbatches`
-    # micro-batches per step; `repeats` > 1 is the circular schedule (each stage holds
-    # that many non-adjacent groups of layers, shrinking the bubble by as much).
-    stages: int = 1
-    microbatches: int = 1
-    repeats: int = 1
+    # Pipeline parallelism (`moe_jax.parallel.pipeline`) over an outer 'stage' mesh axis.
+    stages: int = 1  # S: pipeline stages the MoE layer stack is cut over (1: no pipeline)
+    microbatches: int = 1  # M: micro-batches per step through the pipeline, a multiple of S
+    repeats: int = 1  # R: circular schedule, R non-adjacent layer groups per stage
 
 
 @dataclasses.dataclass(frozen=True)

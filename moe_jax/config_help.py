@@ -90,7 +90,7 @@ MEANINGS: dict[str, str] = {
     "data.val_fraction": "share of stdlib files held out for validation",
     "parallel.layout": (
         "`manual`: the settings below; `auto`: the planner (`python -m moe_jax.plan`) chooses "
-        "attention, experts, intra, data, zero and etp for the devices at hand"
+        "attention, experts, intra, data, zero, etp, overlap and pipeline for the devices at hand"
     ),
     "parallel.gpu": (
         "with `layout='auto'`: the hardware preset the planner assumes (`h800`, `h100`, `h200`, "
@@ -135,8 +135,22 @@ MEANINGS: dict[str, str] = {
     "parallel.grad_exchange": (
         "how gradients are summed over devices: `fp32` (XLA's float32 reductions) or "
         "`bf16_a2a`: each device's float32 gradient rounded once to bf16, sent to its shards' "
-        "owners by all-to-all (over the intra group, then over `data`) and summed in float32; "
+        "owners by all-to-all (over the intra group, then over `stage` and `data`) and summed "
+        "in float32; "
         "FSDP's gathers get the same backward"
+    ),
+    "parallel.stages": (
+        "S: pipeline stages on an outer `stage` mesh axis; the MoE layer stack is cut over them "
+        "(GPipe, every tick rematerialised), embedding, dense prefix, head and loss run on every "
+        "stage with `stage` folded into the batch; 1: no pipeline"
+    ),
+    "parallel.microbatches": (
+        "M: micro-batches per step through the pipeline, a multiple of `stages`; the step's "
+        "accumulation (`train.grad_accum` stays 1); bubble (S-1)/(M R + S - 1)"
+    ),
+    "parallel.repeats": (
+        "R: circular pipeline: each stage holds R non-adjacent groups of layers (group r S + s "
+        "on stage s); S x R must divide the MoE layers"
     ),
     "parallel.ag_threshold": "`auto` picks `ep_ag` when `moe.top_k / parallel.intra` exceeds this",
     "parallel.intra": "n: devices of one intra-node group (experts and sequence split over it)",

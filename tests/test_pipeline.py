@@ -33,7 +33,13 @@ from moe_jax.plan.resolve import check_plan
 from moe_jax.tools import hlo_collectives
 from moe_jax.train_step import abstract_state, init_placed, with_shardings
 from tests.commands import subprocess_env
-from tests.layouts import assert_trees_close, planned, reference, run_under
+from tests.layouts import (
+    assert_leaves_close_in_norm,
+    assert_trees_close,
+    planned,
+    reference,
+    run_under,
+)
 
 MODEL = Config(
     model=ModelConfig(
@@ -421,3 +427,37 @@ def test_temporaries_grow_with_micro_batches_as_the_memory_model_says():
         assert m2 - m1 == 2 * (repeats + 1) * a  # the model's own formula, for the record
         assert t2 - t1 == pytest.approx(m2 - m1, rel=0.15)
         assert t4 - t2 == pytest.approx(m4 - m2, rel=0.15)
+
+
+def test_overlap_and_compression_run_inside_the_stages():
+    """Expert blocks in 2 chunks, collective-matmul rings, FP8 token exchange, bf16
+    gradient all-to-alls summed in float32 and ZeRO-1, all inside a 2-stage pipeline:
+    the same settings without a pipeline (the same intra group, `grad_accum=M`) within
+    the bf16 sums' rounding, and the token and gradient exchanges sent as FP8 and bf16
+    (read from the lowered program)."""
+    from moe_jax.parallel.layout import GRAD_EXCHANGE, TOKEN_EXCHANGE
+    from moe_jax.tools import lowered_dtypes
+
+    settings = dict(
+        zero=1,
+        overlap_chunks=2,
+        collective_matmul=True,
+        token_dtype="fp8",
+        grad_exchange="bf16_a2a",
+    )
+    train = dataclasses.replace(MODEL.train, batch_size=32)  # 2 sequences per chunked device
+    piped = pipelined(2, 2, 2, 4)
+    piped = dataclasses.replace(
+        piped, train=train, parallel=dataclasses.replace(piped.parallel, **settings)
+    )
+    flat = dataclasses.replace(one_device(4), train=dataclasses.replace(train, grad_accum=4))
+    plan = ParallelConfig(attention="sp", experts="ep_a2a", intra=2, data=4, **settings)
+    run, want = planned(piped), planned(dataclasses.replace(flat, parallel=plan))
+    np.testing.assert_allclose(run.metrics["loss"], want.metrics["loss"], rtol=1e-5)
+    np.testing.assert_array_equal(run.metrics["load"], want.metrics["load"])
+    assert_leaves_close_in_norm(pipeline.canonical(run.grads), want.grads, rtol=1e-2)
+    sent = lowered_dtypes.as_sent(hlo_collectives.parse(run.hlo), run.lowered)
+    sums = [c for c in sent if GRAD_EXCHANGE in c.op_name and c.kind == "all-to-all"]
+    assert sums and all(c.dtype == "bf16" for c in sums)
+    tokens = [c for c in sent if TOKEN_EXCHANGE in c.op_name and c.kind == "all-to-all"]
+    assert any(c.dtype in ("u8", "f8e4m3fn") for c in tokens)  # the one-byte payload
