@@ -184,6 +184,12 @@ class Config:
     parallel: ParallelConfig = ParallelConfig()
     profile: ProfileConfig = ProfileConfig()
 
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches per step: a pipeline's `parallel.microbatches`, else
+        `train.grad_accum`."""
+        return self.parallel.microbatches if self.parallel.stages > 1 else self.train.grad_accum
+
 
 SECTIONS = {
     "model": ModelConfig,

@@ -100,7 +100,26 @@ def _run(case):
 
 @pytest.mark.parametrize("case", CASES, ids=_label)
 def test_loss_gradients_and_three_steps_equal_one_device(case):
-    run, ref = _run(case)
+    _assert_equal_one_device(*_run(case))
+
+
+def test_capacity_drops_are_decided_per_micro_batch():
+    """With capacity factor 0.75, tokens over an expert's capacity are dropped within each
+    micro-batch, as the one-device run over the same micro-batches drops them (`tp+etp`
+    in one data group, whose capacity is the whole micro-batch's: the single-device
+    definition, `tests/test_capacity_layouts.py`)."""
+    moe = dataclasses.replace(MODEL.moe, capacity_factor=0.75)
+    config = dataclasses.replace(pipelined(2, 1, 4, 4, 1, "tp", "etp"), moe=moe)
+    ref = reference(dataclasses.replace(one_device(4), moe=moe))
+    run = planned(config)
+    assert float(ref.metrics["dropped_fraction"]) > 0
+    np.testing.assert_allclose(
+        run.metrics["dropped_fraction"], ref.metrics["dropped_fraction"], rtol=1e-6
+    )
+    _assert_equal_one_device(run, ref)
+
+
+def _assert_equal_one_device(run, ref) -> None:
     # the same experts chosen for every token: per-layer loads agree exactly
     np.testing.assert_array_equal(run.metrics["load"], ref.metrics["load"])
     for name in ("loss", "lm_loss", "aux_loss", "seq_aux_loss", "z_loss"):

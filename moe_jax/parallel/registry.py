@@ -129,8 +129,7 @@ def problems(config, num_devices: int, platform: str) -> list[str]:
             f"divisible by the parallel.intra={p.intra} devices parallel.attention="
             f"{attention.name!r} splits the sequence over"
         )
-    micro = p.microbatches if p.stages > 1 else t.grad_accum
-    sequences = t.batch_size // max(1, batch_split * micro)  # a device's micro-batch
+    sequences = t.batch_size // max(1, batch_split * config.micro_batches)  # one micro-batch
     if attention.chunks_batch and p.overlap_chunks > 1 and sequences % p.overlap_chunks:
         found.append(
             f"parallel.overlap_chunks={p.overlap_chunks} must divide the {sequences} sequences "

@@ -48,7 +48,7 @@ def sizes(config: Config) -> Sizes:
     p, tc = config.parallel, config.train
     if p.data < 1:
         raise ValueError("comm_volume needs a resolved plan (parallel.data >= 1)")
-    tokens = Fraction(tc.batch_size, p.data * tc.grad_accum) * tc.seq_len
+    tokens = Fraction(tc.batch_size, p.data * config.micro_batches) * tc.seq_len
     n = p.intra
     return Sizes(
         n=n,

@@ -206,7 +206,7 @@ def _sizes(config: Config, micro_batch: int | None) -> _Sizes:
     p, t = config.parallel, config.train
     if p.data < 1 or p.experts == "auto":
         raise ValueError("memory_per_device needs a resolved plan (see moe_jax.plan.resolve)")
-    b = micro_batch if micro_batch is not None else t.batch_size // (p.data * t.grad_accum)
+    b = micro_batch if micro_batch is not None else t.batch_size // (p.data * config.micro_batches)
     m = config.model
     return _Sizes(b=b, s=t.seq_len, h=m.embed_dim, n=p.intra, B=DTYPE_BYTES[m.dtype])
 

@@ -187,10 +187,10 @@ def gradient_bytes_per_step(config: Config) -> int:
     params = _params(config)
     if config.parallel.grad_exchange == "bf16_a2a":
         per_micro_batch, per_step = bf16_a2a_traffic(config)
-        return round(per_micro_batch * config.train.grad_accum + per_step)
+        return round(per_micro_batch * config.micro_batches + per_step)
     zero = sum(_zero_gather(config, a) for a in params)
     per_micro_batch = sum(parameter_bytes(config, a) for a in params)
-    return round(per_micro_batch * config.train.grad_accum + zero)
+    return round(per_micro_batch * config.micro_batches + zero)
 
 
 def hierarchical_sync_bytes(config: Config) -> dict[str, int]:
