@@ -300,6 +300,24 @@ CASES = [
         "fp32 or bf16_a2a",
     ),
     _c(
+        "stages_beyond_the_devices",
+        "train",
+        [*TINY, WORKDIR, "--config.parallel.stages=2"],
+        "parallel.intra=1 x parallel.stages=2 must divide the 1 devices",
+    ),
+    _c(
+        "repeats_without_a_pipeline",
+        "train",
+        [*TINY, WORKDIR, "--config.parallel.repeats=2"],
+        "parallel.repeats=2 needs a pipeline (parallel.stages > 1)",
+    ),
+    _c(
+        "microbatches_zero",
+        "train",
+        [*TINY, WORKDIR, "--config.parallel.microbatches=0"],
+        "parallel.microbatches=0 is invalid",
+    ),
+    _c(
         "overlap_chunks_zero",
         "train",
         [*TINY, WORKDIR, "--config.parallel.overlap_chunks=0"],

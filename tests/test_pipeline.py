@@ -480,3 +480,20 @@ def test_overlap_and_compression_run_inside_the_stages():
     assert sums and all(c.dtype == "bf16" for c in sums)
     tokens = [c for c in sent if TOKEN_EXCHANGE in c.op_name and c.kind == "all-to-all"]
     assert any(c.dtype in ("u8", "f8e4m3fn") for c in tokens)  # the one-byte payload
+
+
+def test_pipelines_the_trainer_cannot_run_are_refused_in_one_line():
+    from moe_jax.parallel import registry
+
+    def problems(stages, micro, repeats=1, accum=1):
+        config = pipelined(stages, 1, 8 // stages, micro, repeats)
+        train = dataclasses.replace(config.train, grad_accum=accum)
+        return registry.pipeline_problems(dataclasses.replace(config, train=train))
+
+    assert problems(2, 4, 2) == [] and problems(4, 8) == []
+    (layers,) = problems(2, 4, 4)
+    assert "parallel.stages * parallel.repeats = 8 must divide the 4 pipelined units" in layers
+    (micro,) = problems(2, 3)
+    assert "parallel.microbatches=3 must be a multiple of parallel.stages=2" in micro
+    (accum,) = problems(2, 4, accum=2)
+    assert "train.grad_accum=2 must be 1 under a pipeline" in accum
