@@ -10,23 +10,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.multihost import flags, losses, run
+from tests.multihost import MODEL, flags, losses, run
 
 STEPS = 10
 SETTINGS = {
-    "model.num_layers": 4,
-    "model.num_heads": 8,
-    "model.embed_dim": 32,
-    "model.head_dim": 8,
-    "model.mlp_dim": 64,
-    "moe.expert_mlp_dim": 32,
-    "train.batch_size": 8,
-    "train.seq_len": 32,
-    "train.log_every": 1,
+    **MODEL,  # the multi-process tests' small run
+    "model.num_layers": 4,  # 2 stages of 2 MoE layers
     "train.eval_every": 5,
-    "train.eval_batches": 1,
     "train.checkpoint_every": 5,
-    "data.source": "synthetic",
     "parallel.attention": "sp",
     "parallel.experts": "ep_a2a",
     "parallel.intra": 4,
