@@ -44,9 +44,9 @@ GRAD_EXCHANGE = "grad_exchange"
 CHUNK = "chunk"
 # Step i of a collective matmul's ring (`parallel.collective_matmul`) is under f"{RING}{i}".
 RING = "ring"
-# The pipelined layer stack: its tick loops and stage-to-stage sends
+# The pipelined layer stack's tick loops, and its stage-to-stage sends
 # (`moe_jax.parallel.pipeline`).
-PIPELINE = "pipeline"
+PIPELINE, STAGE_SEND = "pipeline", "stage_send"
 
 
 def axes_of(entry) -> tuple[str, ...]:

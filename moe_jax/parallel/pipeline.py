@@ -44,7 +44,7 @@ from jax.sharding import PartitionSpec as P
 
 from moe_jax.kernels.varying import varying_like
 from moe_jax.model.axes import PIPELINED
-from moe_jax.parallel.layout import PIPELINE, STAGE, Layout
+from moe_jax.parallel.layout import PIPELINE, STAGE, STAGE_SEND, Layout
 
 
 def ticks(layout: Layout) -> int:
@@ -119,7 +119,9 @@ def _run(layout: Layout, run_group, params, rest, x, positions, bubble: float):
             total,
             stats,
         )
-        return (buffer, jax.lax.ppermute(y, STAGE, ring), total), None
+        with jax.named_scope(STAGE_SEND):
+            sent = jax.lax.ppermute(y, STAGE, ring)
+        return (buffer, sent, total), None
 
     received = jnp.full_like(xs[0], bubble)
     (buffer, received, total), _ = jax.lax.scan(
@@ -144,7 +146,8 @@ def _keep_returned(buffer, received, keep, slot):
 
 def _gather_to_first(xs: jax.Array, stages: int, bubble: float) -> jax.Array:
     """[M, ...] on stage 0: micro-batch j K + i is stage j's xs[i]."""
-    parts = [xs] + [jax.lax.ppermute(xs, STAGE, [(j, 0)]) for j in range(1, stages)]
+    with jax.named_scope(STAGE_SEND):
+        parts = [xs] + [jax.lax.ppermute(xs, STAGE, [(j, 0)]) for j in range(1, stages)]
     buffer = jnp.concatenate(parts)
     return buffer if bubble == 0 else jnp.where(jax.lax.axis_index(STAGE) == 0, buffer, bubble)
 
@@ -153,7 +156,8 @@ def _scatter_from_first(buffer: jax.Array, stages: int, k: int, me) -> jax.Array
     """Stage s's K final outputs, micro-batches s K .. (s + 1) K - 1, from stage 0."""
     mine = buffer[:k]
     for j in range(1, stages):
-        got = jax.lax.ppermute(buffer[j * k : (j + 1) * k], STAGE, [(0, j)])
+        with jax.named_scope(STAGE_SEND):
+            got = jax.lax.ppermute(buffer[j * k : (j + 1) * k], STAGE, [(0, j)])
         mine = jnp.where(me == j, got, mine)
     return mine
 

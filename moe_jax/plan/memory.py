@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from moe_jax.config import Config, ModelConfig, MoEConfig, TrainConfig
+from moe_jax.model.axes import PIPELINED
 from moe_jax.moe.experts import resolve_impl
 from moe_jax.parallel import mesh, registry
 from moe_jax.parallel.layout import DATA, INTRA, Layout, split_size
@@ -106,7 +107,11 @@ def placement(config: Config, array: StateArray, shape: tuple[int, ...] | None =
     shape = array.shape if shape is None else shape
     layout = Layout(param_rules=registry.param_rules(config))
     over_data = array.moment and bool(config.parallel.zero)
-    return mesh.placement(layout, array.names, shape, config.parallel.data, over_data)
+    names = array.names
+    if config.parallel.stages > 1 and array.stack == "moe" and array.part != "biases":
+        # the pipelined stack, split over stages (its [R, U / R] form holds as many bytes)
+        names = (PIPELINED[1], *names[1:])
+    return mesh.placement(layout, names, shape, config.parallel.data, over_data)
 
 
 def split_of(axes, sizes: dict[str, int]) -> int:
@@ -477,9 +482,11 @@ def memory_per_device(config: Config, pp: int = 1, micro_batch: int | None = Non
     of the rest (embedding, dense prefix, final norm, head).
     """
     _sizes(config, micro_batch)  # validates the plan
-    stages = max(pp, config.parallel.stages)
-    if stages > 1:
-        return _pipeline_memory(config, stages, micro_batch)
+    if pp > 1 and config.parallel.stages == 1:  # planned for pp stages: the trainer's form
+        parallel = dataclasses.replace(config.parallel, stages=pp)
+        config = dataclasses.replace(config, parallel=parallel)
+    if config.parallel.stages > 1:
+        return _pipeline_memory(config, config.parallel.stages, micro_batch)
     in_flight = micro_batches(config, micro_batch)
     stage = units(config)
     state = _state_bytes(config, stage, True, True)
@@ -537,8 +544,7 @@ def _pipeline_memory(config: Config, stages: int, micro_batch: int | None) -> Me
     micro = p.microbatches if micro_batch is None else t.batch_size // (p.data * micro_batch)
     micro = max(micro, stages)  # a config planned for `pp` stages without its micro-batches
     micro_batch = micro_batch or t.batch_size // (p.data * micro)
-    outside, piped = _split_units(config)
-    state = _state_bytes(config, outside + piped[: len(piped) // stages], True, True)
+    state = _state_bytes(config, units(config), True, True)  # placement splits the stack
     repeats = p.repeats if p.stages > 1 else 1
     terms = pipeline_activation_bytes(config, stages, micro, repeats, micro_batch)
     return Memory(**state, activations=sum(terms.values()))

@@ -153,6 +153,16 @@ def bf16_a2a_bytes(config: Config, array: StateArray) -> tuple[float, float]:
     return per_micro_batch, per_step + _gather(size, group)
 
 
+def pipeline_sum_bytes(config: Config, array: StateArray) -> float:
+    """Bytes one device sends for one parameter under a pipeline with float32 sums: the
+    step runs per device in one shard_map, and each gradient is all-reduced once, over
+    the mesh axes its parameter is replicated on ('stage' too, outside the stack)."""
+    sizes = mesh_sizes(config)
+    spec = P(*placement(config, array))
+    group = math.prod(sizes[a] for level in grad_exchange.summed_over(spec) for a in level)
+    return _all_reduce(device_bytes(config, array), group) if group > 1 else 0.0
+
+
 def bf16_a2a_traffic(config: Config) -> tuple[float, float]:
     """(per micro-batch, per step) bytes of `bf16_a2a_bytes` over all parameters, the
     step's with ZeRO-1's gather of the updated parameters."""
@@ -185,6 +195,8 @@ def gradient_bytes_per_step(config: Config) -> int:
     float32 reductions per micro-batch, or `parallel.grad_exchange='bf16_a2a'`'s
     exchange once per step (`bf16_a2a_bytes`)."""
     params = _params(config)
+    if config.parallel.stages > 1 and config.parallel.grad_exchange == "fp32":
+        return round(sum(pipeline_sum_bytes(config, a) for a in params))
     if config.parallel.grad_exchange == "bf16_a2a":
         per_micro_batch, per_step = bf16_a2a_traffic(config)
         return round(per_micro_batch * config.micro_batches + per_step)

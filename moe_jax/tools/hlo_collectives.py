@@ -19,7 +19,8 @@ collective over a group of g devices, with S the byte size of its per-device buf
 counts the loop's known trip count, multiplied along the chain of calling
 computations. `role` is 'activation' when the op's `op_name` metadata holds
 one of the named scopes the layouts put around their exchanges
-(`token_exchange`, `router_stats`, `loss_exchange`), else 'param_grad'. `pass_` is 'backward'
+(`token_exchange`, `router_stats`, `loss_exchange`, and the pipeline's `stage_send`),
+else 'param_grad'. `pass_` is 'backward'
 when `op_name` holds `transpose(` (JAX's mark of the VJP), else 'forward'.
 
 XLA combines independent collectives into one tuple-shaped op; each tuple
@@ -37,7 +38,7 @@ import re
 from collections.abc import Iterable
 from fractions import Fraction
 
-TAGS = ("token_exchange", "router_stats", "loss_exchange")
+TAGS = ("token_exchange", "router_stats", "loss_exchange", "stage_send")
 KINDS = (
     "all-gather",
     "reduce-scatter",
