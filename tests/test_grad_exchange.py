@@ -152,15 +152,17 @@ def test_one_rounding_beats_a_rounding_per_hop_on_real_gradients():
 
 
 def test_shards_are_cut_where_the_group_divides_the_intra_group_first():
-    sizes = {"data": 2, "expert": 2, "tensor": 2}
-    intra = ("expert", "tensor")
-    # replicated everywhere: summed over the intra group, then over data (hierarchical)
-    assert grad_exchange.summed_over(P(None)) == (intra, ("data",))
-    assert grad_exchange.reduced_spec(sizes, P(None, None), (3, 64)) == P(None, (*intra, "data"))
-    # already split over the intra group: only data is summed, cut below that split
-    assert grad_exchange.summed_over(P(intra, None)) == (("data",),)
-    assert grad_exchange.reduced_spec(sizes, P(intra, None), (8, 3)) == P((*intra, "data"), None)
-    # split over data (FSDP): its gather's transpose sums it; nothing is left to do
-    assert grad_exchange.summed_over(P("data", intra)) == ()
+    sizes = {"stage": 2, "data": 2, "expert": 2, "tensor": 2}
+    intra, outer = ("expert", "tensor"), ("stage", "data")
+    # replicated everywhere: summed over the intra group, then across nodes (hierarchical)
+    assert grad_exchange.summed_over(P(None)) == (intra, outer)
+    assert grad_exchange.reduced_spec(sizes, P(None, None), (3, 128)) == P(None, (*intra, *outer))
+    # already split over the intra group: only the outer axes are summed, cut below that
+    assert grad_exchange.summed_over(P(intra, None)) == (outer,)
+    assert grad_exchange.reduced_spec(sizes, P(intra, None), (16, 3)) == P((*intra, *outer), None)
+    # split over data (FSDP): its gather's transpose sums it; only 'stage' is left
+    assert grad_exchange.summed_over(P("data", intra)) == (("stage",),)
+    # a pipelined stack's layers, split over stages: summed within its stage only
+    assert grad_exchange.summed_over(P("stage", None)) == (intra, ("data",))
     # no dimension the group divides: kept whole, summed in float32
     assert grad_exchange.reduced_spec(sizes, P(None), (7,)) == P(None)

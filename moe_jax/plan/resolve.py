@@ -52,9 +52,10 @@ def resolve(config: Config, num_devices: int) -> Config:
         p = dataclasses.replace(p, experts=auto_experts(config))
     if not p.data:
         if num_devices % (p.intra * p.stages):
+            taken = f"parallel.intra={p.intra}"
+            taken += f" x parallel.stages={p.stages}" if p.stages > 1 else ""
             raise ValueError(
-                f"parallel.intra={p.intra} x parallel.stages={p.stages} must divide the "
-                f"{num_devices} devices (or set parallel.data explicitly)"
+                f"{taken} must divide the {num_devices} devices (or set parallel.data explicitly)"
             )
         p = dataclasses.replace(p, data=num_devices // (p.intra * p.stages))
     return dataclasses.replace(config, parallel=p)
