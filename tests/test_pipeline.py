@@ -1,6 +1,7 @@
 """Pipeline parallelism (`moe_jax.parallel.pipeline`): the pipelined step against a
 single-device run over the same micro-batches (`train.grad_accum=M`), the schedule
-read from the compiled program, poisoned bubbles, and canonical checkpoints.
+read from the compiled program, poisoned bubbles, the intra-node settings inside the
+stages, and the refusals (checkpoints and memory: `tests/test_pipeline_state.py`).
 
 The model has a dense first layer (run outside the pipeline, 'stage' folded into the
 batch) and four MoE layers, so four stages, or two stages with two repeats, cut it.
@@ -11,11 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-import subprocess
-import sys
-import textwrap
 from functools import partial
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -24,15 +21,12 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from moe_jax.checkpoint import Checkpointer
-from moe_jax.config import Config, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
+from moe_jax.config import ParallelConfig
 from moe_jax.parallel import mesh as mesh_lib
 from moe_jax.parallel import pipeline
 from moe_jax.parallel.layout import MESH_AXES, PIPELINE, STAGE, Layout
 from moe_jax.plan.resolve import check_plan
 from moe_jax.tools import hlo_collectives
-from moe_jax.train_step import abstract_state, init_placed, with_shardings
-from tests.commands import subprocess_env
 from tests.layouts import (
     assert_leaves_close_in_norm,
     assert_trees_close,
@@ -40,47 +34,7 @@ from tests.layouts import (
     reference,
     run_under,
 )
-
-MODEL = Config(
-    model=ModelConfig(
-        num_layers=5,
-        first_k_dense=1,
-        embed_dim=32,
-        num_heads=8,
-        num_kv_heads=2,
-        head_dim=8,
-        mlp_dim=48,
-    ),
-    moe=MoEConfig(
-        num_experts=8,
-        top_k=2,
-        expert_mlp_dim=16,
-        aux_loss_coef=0.1,
-        seq_aux_loss_coef=0.05,
-        z_loss_coef=0.01,
-        bias_update_rate=1e-3,
-    ),
-    train=TrainConfig(batch_size=16, seq_len=16),
-)
-
-
-def pipelined(stages, data, intra, micro, repeats=1, attention="sp", experts="ep_a2a"):
-    plan = ParallelConfig(
-        attention=attention,
-        experts=experts,
-        intra=intra,
-        data=data,
-        stages=stages,
-        microbatches=micro,
-        repeats=repeats,
-    )
-    return dataclasses.replace(MODEL, parallel=plan)
-
-
-def one_device(micro: int) -> Config:
-    """The reference: the same micro-batches accumulated on one device."""
-    return dataclasses.replace(MODEL, train=dataclasses.replace(MODEL.train, grad_accum=micro))
-
+from tests.pipelined import MODEL, one_device, pipeline_trip_counts, pipelined
 
 # (stage, data, intra) meshes with M = S and 2S; R = 2 on the last.
 MESHES = [(2, 1, 4, 1), (2, 2, 2, 1), (4, 2, 1, 1), (2, 1, 4, 2)]
@@ -219,7 +173,7 @@ def test_schedule_runs_every_layer_in_order_on_every_micro_batch(stages, micro, 
     for got, expected in zip(grads, want_grads, strict=True):
         np.testing.assert_allclose(got, staged(expected), rtol=1e-5, atol=1e-6)
     # The loop: M R + S - 1 ticks, forward and backward, read from the compiled program.
-    trips = _pipeline_trip_counts(hlo)
+    trips = pipeline_trip_counts(hlo)
     assert trips.count(micro * repeats + stages - 1) >= 2, trips
     # Every layer saw each micro-batch once: bubble ticks left no statistics.
     np.testing.assert_allclose(stats["calls"], np.ones(units))
@@ -230,17 +184,6 @@ def test_schedule_runs_every_layer_in_order_on_every_micro_batch(stages, micro, 
         pipeline.valid_fraction(stages, micro, repeats)
     )
     assert pipeline.valid_fraction(stages, micro, repeats) == micro * repeats / ticks
-
-
-def _pipeline_trip_counts(hlo: str) -> list[int]:
-    """Known trip counts of the `while` loops the pipeline's scope made."""
-    counts = []
-    for ins in hlo_collectives.instructions(hlo):
-        if ins.opcode == "while" and PIPELINE in ins.op_name:
-            found = re.search(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"', ins.attrs)
-            if found:
-                counts.append(int(found.group(1)))
-    return counts
 
 
 def _pairs(attrs: str) -> list[tuple[int, int]]:
@@ -262,7 +205,7 @@ def test_compiled_step_passes_stage_to_stage_and_never_gathers_over_stages():
             assert stage_of(source) != stage_of(target)
             assert source % per_stage == target % per_stage
     # the ring inside the loops: the forward sends s -> s + 1, the backward s + 1 -> s
-    trips = _pipeline_trip_counts(run.hlo)
+    trips = pipeline_trip_counts(run.hlo)
     assert trips.count(micro + stages - 1) >= 2, trips
     for ins in instructions:
         if ins.opcode.startswith("all-gather"):
@@ -270,182 +213,6 @@ def test_compiled_step_passes_stage_to_stage_and_never_gathers_over_stages():
             members = [list(map(int, g.split(","))) for g in re.findall(r"\{([\d,]+)\}", groups)]
             for group in members:
                 assert len({stage_of(d) for d in group}) == 1, ins.op_name
-
-
-# --- checkpoints ------------------------------------------------------------------
-
-
-def _layout(config):
-    config = check_plan(config, jax.device_count())
-    return config, mesh_lib.make_layout(config, mesh_lib.make_mesh(config))
-
-
-def _placed(config):
-    config, layout = _layout(config)
-    _, abstract = abstract_state(config, layout)
-    shardings = mesh_lib.train_state_shardings(abstract, layout, config.parallel.zero)
-    return config, layout, with_shardings(abstract, shardings), shardings
-
-
-@pytest.mark.parametrize(
-    "saved,restored",
-    [
-        ((4, 2, 1, 4, 1), (1, 2, 4, 1, 1)),
-        ((4, 2, 1, 4, 1), (2, 1, 4, 2, 2)),
-        ((2, 1, 4, 2, 2), (4, 2, 1, 4, 1)),
-        ((1, 2, 4, 1, 1), (2, 1, 4, 4, 2)),
-    ],
-    ids=lambda plan: "S{}xD{}xN{},M{},R{}".format(*plan),
-)
-def test_checkpoints_restore_bit_for_bit_across_stages_and_repeats(tmp_path, saved, restored):
-    def config_of(plan):
-        s, d, n, m, r = plan
-        return pipelined(s, d, n, m, r) if s > 1 else pipelined(1, d, n, 1)
-
-    config, layout, _, shardings = _placed(config_of(saved))
-    state = init_placed(config, layout, shardings)
-    checkpoints = Checkpointer(tmp_path, keep=1)
-    checkpoints.save(1, state, {}, {})
-    checkpoints.wait()
-    _, _, like, _ = _placed(config_of(restored))
-    got, _ = checkpoints.restore(1, like)
-    checkpoints.close()
-    # the restored arrays hold the run's form and placement...
-    for value, target in zip(jax.tree.leaves(got), jax.tree.leaves(like), strict=True):
-        assert value.shape == target.shape and value.sharding == target.sharding
-    # ...and every value saved, bit for bit, in the canonical [layers, ...] order
-    want = jax.device_get(pipeline.canonical(state))
-    restored = jax.tree.leaves(jax.device_get(pipeline.canonical(got)))
-    for a, b in zip(restored, jax.tree.leaves(want), strict=True):
-        np.testing.assert_array_equal(a, b)
-
-
-def test_held_form_is_the_canonical_stack_reshaped():
-    """[R, U / R] with stage s holding groups r S + s: the layers each stage runs."""
-    config, layout, _, shardings = _placed(pipelined(2, 1, 4, 2, 2))
-    state = init_placed(config, layout, shardings)
-    one, one_layout, _, one_shardings = _placed(pipelined(1, 2, 4, 1))
-    canonical = init_placed(one, one_layout, one_shardings)
-    gate = state.params["moe"]["units"]["blocks"][0]["ffn"]["gate"]
-    want = canonical.params["moe"]["units"]["blocks"][0]["ffn"]["gate"]
-    assert gate.shape == (2, 2, *want.shape[1:])
-    assert gate.sharding.spec[:2] == (None, STAGE)
-    np.testing.assert_array_equal(np.asarray(gate).reshape(want.shape), np.asarray(want))
-    held = np.asarray(want).reshape(gate.shape)
-    np.testing.assert_array_equal(held[:, 1], np.asarray(want)[[1, 3]])
-    for shard in gate.addressable_shards:  # stage 1 (devices 4-7) holds layers 1 and 3
-        stage = shard.device.id // 4
-        assert shard.index[1] == slice(stage, stage + 1)
-        np.testing.assert_array_equal(np.asarray(shard.data), held[shard.index])
-
-
-# --- the paper's 352B plan ----------------------------------------------------------
-
-MEGASCALE_352B = textwrap.dedent(
-    """
-    import dataclasses, os, runpy
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=120"
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    from functools import partial
-    import jax, jax.numpy as jnp
-    from moe_jax import config as config_lib
-    from moe_jax.parallel import mesh as mesh_lib
-    from moe_jax.plan import memory
-    from moe_jax.plan.resolve import check_plan
-    from moe_jax.train_step import abstract_state, train_step, with_shardings
-    base = config_lib.load(runpy.run_path("configs/megascale_352b.py")["get_config"]())
-    # One pipeline of the planner's 1,440-H800 plan (`python -m moe_jax.plan
-    # --config=configs/megascale_352b.py --gpus=1440`: 15 stages x 4 repeats of sp
-    # attention and expert all-to-alls over n=8 with collective matmul, data=12, 30
-    # micro-batches of 2 of each data group's 60 sequences; ep_a2a standing in for the
-    # GPU-only ep_a2a_ragged) at reduced width: the 60 layers, 32 experts, top-3, GQA
-    # 32/8 and 8,192-token sequences stay.
-    model = dataclasses.replace(base.model, embed_dim=256, head_dim=8, vocab_size=4096)
-    moe = dataclasses.replace(base.moe, expert_mlp_dim=256)
-    plan = dataclasses.replace(
-        base.parallel, attention="sp", experts="ep_a2a", intra=8, data=1, stages=15,
-        repeats=4, microbatches=30, collective_matmul=True,
-    )
-    train = dataclasses.replace(base.train, batch_size=60)
-    config = dataclasses.replace(base, model=model, moe=moe, parallel=plan, train=train)
-    config = check_plan(config, 120)
-    layout = mesh_lib.make_layout(config, mesh_lib.make_mesh(config))
-    graphdef, abstract = abstract_state(config, layout)
-    shardings = mesh_lib.train_state_shardings(abstract, layout, 0)
-    tokens = jax.ShapeDtypeStruct(
-        (60, config.train.seq_len), jnp.int32, sharding=mesh_lib.batch_sharding(layout)
-    )
-    step = jax.jit(
-        partial(train_step, graphdef, config), donate_argnums=0, out_shardings=(shardings, None)
-    )
-    placed = with_shardings(abstract, shardings)
-    compiled = step.lower(placed, {"inputs": tokens, "targets": tokens}).compile()
-    m = compiled.memory_analysis()
-    held = m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes
-    held -= m.alias_size_in_bytes
-    print(config.model.num_layers, held, memory.memory_per_device(config).total)
-    print(compiled.as_text())
-    """
-)
-
-
-def test_megascale_352b_pipeline_compiles():
-    """The 352B model's train step under its 1,440-GPU plan, one pipeline's 120 devices
-    (forced CPU devices, abstract inputs: nothing allocated), at reduced width: 60
-    layers in 15 stages x 4 repeats of one layer, 30 micro-batches."""
-    done = subprocess.run(
-        [sys.executable, "-c", MEGASCALE_352B],
-        cwd=Path(__file__).resolve().parents[1],
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    first, hlo = done.stdout.split("\n", 1)
-    layers, held, predicted = map(int, first.split())
-    assert layers == 60
-    # 30 micro-batches, 4 repeats, 15 stages: loops of 30 x 4 + 15 - 1 ticks, both ways
-    assert _pipeline_trip_counts(hlo).count(134) >= 2
-    print(f"352B pipeline per device: compiled {held / 1e6:.0f} MB, model {predicted / 1e6:.0f} MB")
-
-
-def test_temporaries_grow_with_micro_batches_as_the_memory_model_says():
-    """GPipe keeps every tick's input and stage 0's buffer: per micro-batch of M,
-    (R + 1) a more per device (a: one micro-batch's stream on one device). XLA's
-    temporaries of the compiled step, at M = S, 2 S and 4 S with micro-batches of the
-    same size, grow as `memory.pipeline_activation_bytes` says within 15%. (No dense
-    prefix here: its backward's working set on XLA:CPU's blockwise attention is not the
-    pipeline's.)"""
-    from moe_jax.plan import memory
-    from moe_jax.train_step import train_step
-
-    def temp_and_model(micro: int, repeats: int) -> tuple[int, int]:
-        config = pipelined(2, 1, 4, micro, repeats)
-        model = dataclasses.replace(config.model, num_layers=4, first_k_dense=0, remat="full")
-        train = dataclasses.replace(config.train, batch_size=micro, seq_len=512, loss_chunks=8)
-        config = check_plan(dataclasses.replace(config, model=model, train=train), 8)
-        config, layout, placed, shardings = _placed(config)
-        graphdef, _ = abstract_state(config, layout)
-        tokens = jax.ShapeDtypeStruct(
-            (micro, 512), jnp.int32, sharding=mesh_lib.batch_sharding(layout)
-        )
-        step = jax.jit(
-            partial(train_step, graphdef, config),
-            out_shardings=(shardings, None),
-            donate_argnums=0,
-        )
-        compiled = step.lower(placed, {"inputs": tokens, "targets": tokens}).compile()
-        return compiled.memory_analysis().temp_size_in_bytes, memory.memory_per_device(
-            config
-        ).activations
-
-    for repeats in (1, 2):
-        (t1, m1), (t2, m2), (t4, m4) = (temp_and_model(2 * f, repeats) for f in (1, 2, 4))
-        a = 1 * 512 // 4 * 32 * 4  # one sequence per micro-batch, split 4 ways, fp32
-        assert m2 - m1 == 2 * (repeats + 1) * a  # the model's own formula, for the record
-        assert t2 - t1 == pytest.approx(m2 - m1, rel=0.15)
-        assert t4 - t2 == pytest.approx(m4 - m2, rel=0.15)
 
 
 def test_overlap_and_compression_run_inside_the_stages():

@@ -151,14 +151,18 @@ def test_state_bytes_equal_the_placed_shards(plan):
 
 def test_pipeline_stage_holds_its_share_of_the_stack_and_all_the_rest():
     """4 MoE layers over 2 stages: each stage holds two of them, and the embedding, head
-    and final norm, which run on every stage with 'stage' folded into the batch."""
+    and final norm, which run on every stage with 'stage' folded into the batch (and
+    the routers' biases, [layers, experts], which every stage keeps whole)."""
     config = _plan(STATE, "sp", "ep_a2a", num_layers=4, first_k_dense=0, tie_embeddings=False)
     arrays = {a.path: memory.device_bytes(config, a) for a in memory.state_arrays(config)}
     table, head = arrays[".params['embed']['table']"], arrays[".params['head']"]
     final = arrays[".params['final_norm']['scale']"]
+    biases = sum(size for path, size in arrays.items() if path.startswith(".biases"))
+    assert biases > 0
     whole = memory.memory_per_device(config).params
-    layers = whole - table - head - final
-    assert memory.memory_per_device(config, pp=2).params == table + head + final + layers // 2
+    layers = whole - table - head - final - biases
+    everywhere = table + head + final + biases
+    assert memory.memory_per_device(config, pp=2).params == everywhere + layers // 2
 
 
 # ---------------------------------------------------------------- activations

@@ -1,0 +1,80 @@
+"""What the pipeline tests share: a small model with a dense first layer and four MoE
+layers (four stages, or two with two repeats, cut it), its plans, and readers of the
+compiled program."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+
+from moe_jax.config import Config, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
+from moe_jax.parallel import mesh as mesh_lib
+from moe_jax.parallel.layout import PIPELINE
+from moe_jax.plan.resolve import check_plan
+from moe_jax.tools import hlo_collectives
+from moe_jax.train_step import abstract_state, with_shardings
+
+MODEL = Config(
+    model=ModelConfig(
+        num_layers=5,
+        first_k_dense=1,
+        embed_dim=32,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=8,
+        mlp_dim=48,
+    ),
+    moe=MoEConfig(
+        num_experts=8,
+        top_k=2,
+        expert_mlp_dim=16,
+        aux_loss_coef=0.1,
+        seq_aux_loss_coef=0.05,
+        z_loss_coef=0.01,
+        bias_update_rate=1e-3,
+    ),
+    train=TrainConfig(batch_size=16, seq_len=16),
+)
+
+
+def pipelined(stages, data, intra, micro, repeats=1, attention="sp", experts="ep_a2a"):
+    plan = ParallelConfig(
+        attention=attention,
+        experts=experts,
+        intra=intra,
+        data=data,
+        stages=stages,
+        microbatches=micro,
+        repeats=repeats,
+    )
+    return dataclasses.replace(MODEL, parallel=plan)
+
+
+def one_device(micro: int) -> Config:
+    """The reference: the same micro-batches accumulated on one device."""
+    return dataclasses.replace(MODEL, train=dataclasses.replace(MODEL.train, grad_accum=micro))
+
+
+def pipeline_trip_counts(hlo: str) -> list[int]:
+    """Known trip counts of the `while` loops the pipeline's scope made."""
+    counts = []
+    for ins in hlo_collectives.instructions(hlo):
+        if ins.opcode == "while" and PIPELINE in ins.op_name:
+            found = re.search(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"', ins.attrs)
+            if found:
+                counts.append(int(found.group(1)))
+    return counts
+
+
+def layout_of(config):
+    config = check_plan(config, jax.device_count())
+    return config, mesh_lib.make_layout(config, mesh_lib.make_mesh(config))
+
+
+def placed(config):
+    config, layout = layout_of(config)
+    _, abstract = abstract_state(config, layout)
+    shardings = mesh_lib.train_state_shardings(abstract, layout, config.parallel.zero)
+    return config, layout, with_shardings(abstract, shardings), shardings

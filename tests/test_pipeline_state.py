@@ -1,0 +1,191 @@
+"""Pipeline parallelism's state and memory (`moe_jax.parallel.pipeline`): checkpoints
+that stay canonical across stages and repeats, the 352B plan compiled on one pipeline's
+devices, and XLA's temporaries against the memory model."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import subprocess
+import sys
+import textwrap
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moe_jax.checkpoint import Checkpointer
+from moe_jax.parallel import mesh as mesh_lib
+from moe_jax.parallel import pipeline
+from moe_jax.parallel.layout import STAGE
+from moe_jax.plan.resolve import check_plan
+from moe_jax.train_step import abstract_state, init_placed
+from tests.commands import subprocess_env
+from tests.pipelined import pipeline_trip_counts, pipelined, placed
+
+# --- checkpoints ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "saved,restored",
+    [
+        ((4, 2, 1, 4, 1), (1, 2, 4, 1, 1)),
+        ((4, 2, 1, 4, 1), (2, 1, 4, 2, 2)),
+        ((2, 1, 4, 2, 2), (4, 2, 1, 4, 1)),
+        ((1, 2, 4, 1, 1), (2, 1, 4, 4, 2)),
+    ],
+    ids=lambda plan: "S{}xD{}xN{},M{},R{}".format(*plan),
+)
+def test_checkpoints_restore_bit_for_bit_across_stages_and_repeats(tmp_path, saved, restored):
+    def config_of(plan):
+        s, d, n, m, r = plan
+        return pipelined(s, d, n, m, r) if s > 1 else pipelined(1, d, n, 1)
+
+    config, layout, _, shardings = placed(config_of(saved))
+    state = init_placed(config, layout, shardings)
+    checkpoints = Checkpointer(tmp_path, keep=1)
+    checkpoints.save(1, state, {}, {})
+    checkpoints.wait()
+    _, _, like, _ = placed(config_of(restored))
+    got, _ = checkpoints.restore(1, like)
+    checkpoints.close()
+    # the restored arrays hold the run's form and placement...
+    for value, target in zip(jax.tree.leaves(got), jax.tree.leaves(like), strict=True):
+        assert value.shape == target.shape and value.sharding == target.sharding
+    # ...and every value saved, bit for bit, in the canonical [layers, ...] order
+    want = jax.device_get(pipeline.canonical(state))
+    restored = jax.tree.leaves(jax.device_get(pipeline.canonical(got)))
+    for a, b in zip(restored, jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_held_form_is_the_canonical_stack_reshaped():
+    """[R, U / R] with stage s holding groups r S + s: the layers each stage runs."""
+    config, layout, _, shardings = placed(pipelined(2, 1, 4, 2, 2))
+    state = init_placed(config, layout, shardings)
+    one, one_layout, _, one_shardings = placed(pipelined(1, 2, 4, 1))
+    canonical = init_placed(one, one_layout, one_shardings)
+    gate = state.params["moe"]["units"]["blocks"][0]["ffn"]["gate"]
+    want = canonical.params["moe"]["units"]["blocks"][0]["ffn"]["gate"]
+    assert gate.shape == (2, 2, *want.shape[1:])
+    assert gate.sharding.spec[:2] == (None, STAGE)
+    np.testing.assert_array_equal(np.asarray(gate).reshape(want.shape), np.asarray(want))
+    held = np.asarray(want).reshape(gate.shape)
+    np.testing.assert_array_equal(held[:, 1], np.asarray(want)[[1, 3]])
+    for shard in gate.addressable_shards:  # stage 1 (devices 4-7) holds layers 1 and 3
+        stage = shard.device.id // 4
+        assert shard.index[1] == slice(stage, stage + 1)
+        np.testing.assert_array_equal(np.asarray(shard.data), held[shard.index])
+
+
+# --- the paper's 352B plan ----------------------------------------------------------
+
+MEGASCALE_352B = textwrap.dedent(
+    """
+    import dataclasses, os, runpy
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=120"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    from functools import partial
+    import jax, jax.numpy as jnp
+    from moe_jax import config as config_lib
+    from moe_jax.parallel import mesh as mesh_lib
+    from moe_jax.plan import memory
+    from moe_jax.plan.resolve import check_plan
+    from moe_jax.train_step import abstract_state, train_step, with_shardings
+    base = config_lib.load(runpy.run_path("configs/megascale_352b.py")["get_config"]())
+    # One pipeline of the planner's 1,440-H800 plan (`python -m moe_jax.plan
+    # --config=configs/megascale_352b.py --gpus=1440`: 15 stages x 4 repeats of sp
+    # attention and expert all-to-alls over n=8 with collective matmul, data=12, 30
+    # micro-batches of 2 of each data group's 60 sequences; ep_a2a standing in for the
+    # GPU-only ep_a2a_ragged) at reduced width: the 60 layers, 32 experts, top-3, GQA
+    # 32/8 and 8,192-token sequences stay.
+    model = dataclasses.replace(base.model, embed_dim=256, head_dim=8, vocab_size=4096)
+    moe = dataclasses.replace(base.moe, expert_mlp_dim=256)
+    plan = dataclasses.replace(
+        base.parallel, attention="sp", experts="ep_a2a", intra=8, data=1, stages=15,
+        repeats=4, microbatches=30, collective_matmul=True,
+    )
+    train = dataclasses.replace(base.train, batch_size=60)
+    config = dataclasses.replace(base, model=model, moe=moe, parallel=plan, train=train)
+    config = check_plan(config, 120)
+    layout = mesh_lib.make_layout(config, mesh_lib.make_mesh(config))
+    graphdef, abstract = abstract_state(config, layout)
+    shardings = mesh_lib.train_state_shardings(abstract, layout, 0)
+    tokens = jax.ShapeDtypeStruct(
+        (60, config.train.seq_len), jnp.int32, sharding=mesh_lib.batch_sharding(layout)
+    )
+    step = jax.jit(
+        partial(train_step, graphdef, config), donate_argnums=0, out_shardings=(shardings, None)
+    )
+    placed = with_shardings(abstract, shardings)
+    compiled = step.lower(placed, {"inputs": tokens, "targets": tokens}).compile()
+    m = compiled.memory_analysis()
+    held = m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes
+    held -= m.alias_size_in_bytes
+    print(config.model.num_layers, held, memory.memory_per_device(config).total)
+    print(compiled.as_text())
+    """
+)
+
+
+def test_megascale_352b_pipeline_compiles():
+    """The 352B model's train step under its 1,440-GPU plan, one pipeline's 120 devices
+    (forced CPU devices, abstract inputs: nothing allocated), at reduced width: 60
+    layers in 15 stages x 4 repeats of one layer, 30 micro-batches."""
+    done = subprocess.run(
+        [sys.executable, "-c", MEGASCALE_352B],
+        cwd=Path(__file__).resolve().parents[1],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    first, hlo = done.stdout.split("\n", 1)
+    layers, held, predicted = map(int, first.split())
+    assert layers == 60
+    # 30 micro-batches, 4 repeats, 15 stages: loops of 30 x 4 + 15 - 1 ticks, both ways
+    assert pipeline_trip_counts(hlo).count(134) >= 2
+    print(f"352B pipeline per device: compiled {held / 1e6:.0f} MB, model {predicted / 1e6:.0f} MB")
+
+
+def test_temporaries_grow_with_micro_batches_as_the_memory_model_says():
+    """GPipe keeps every tick's input and stage 0's buffer: per micro-batch of M,
+    (R + 1) a more per device (a: one micro-batch's stream on one device). XLA's
+    temporaries of the compiled step, at M = S, 2 S and 4 S with micro-batches of the
+    same size, grow as `memory.pipeline_activation_bytes` says within 15%. (No dense
+    prefix here: its backward's working set on XLA:CPU's blockwise attention is not the
+    pipeline's.)"""
+    from moe_jax.plan import memory
+    from moe_jax.train_step import train_step
+
+    def temp_and_model(micro: int, repeats: int) -> tuple[int, int]:
+        config = pipelined(2, 1, 4, micro, repeats)
+        model = dataclasses.replace(config.model, num_layers=4, first_k_dense=0, remat="full")
+        train = dataclasses.replace(config.train, batch_size=micro, seq_len=512, loss_chunks=8)
+        config = check_plan(dataclasses.replace(config, model=model, train=train), 8)
+        config, layout, abstract, shardings = placed(config)
+        graphdef, _ = abstract_state(config, layout)
+        tokens = jax.ShapeDtypeStruct(
+            (micro, 512), jnp.int32, sharding=mesh_lib.batch_sharding(layout)
+        )
+        step = jax.jit(
+            partial(train_step, graphdef, config),
+            out_shardings=(shardings, None),
+            donate_argnums=0,
+        )
+        compiled = step.lower(abstract, {"inputs": tokens, "targets": tokens}).compile()
+        return compiled.memory_analysis().temp_size_in_bytes, memory.memory_per_device(
+            config
+        ).activations
+
+    a = 1 * 512 // 4 * 32 * 4  # one sequence per micro-batch, split 4 ways, fp32
+    for repeats, factors in ((1, (1, 2, 4)), (2, (1, 2))):
+        points = [temp_and_model(2 * f, repeats) for f in factors]
+        for (t1, m1), (t2, m2) in itertools.pairwise(points):
+            assert t2 - t1 == pytest.approx(m2 - m1, rel=0.15)
+        (_, m1), (_, m2) = points[:2]
+        assert m2 - m1 == 2 * (repeats + 1) * a  # the model's own formula, for the record
