@@ -9,33 +9,21 @@ import re
 
 import jax
 
-from moe_jax.config import Config, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
+from moe_jax.config import Config, ParallelConfig
 from moe_jax.parallel import mesh as mesh_lib
 from moe_jax.parallel.layout import PIPELINE
 from moe_jax.plan.resolve import check_plan
 from moe_jax.tools import hlo_collectives
 from moe_jax.train_step import abstract_state, with_shardings
+from tests.layouts import BASE
 
-MODEL = Config(
-    model=ModelConfig(
-        num_layers=5,
-        first_k_dense=1,
-        embed_dim=32,
-        num_heads=8,
-        num_kv_heads=2,
-        head_dim=8,
-        mlp_dim=48,
-    ),
-    moe=MoEConfig(
-        num_experts=8,
-        top_k=2,
-        expert_mlp_dim=16,
-        aux_loss_coef=0.1,
-        seq_aux_loss_coef=0.05,
-        z_loss_coef=0.01,
-        bias_update_rate=1e-3,
-    ),
-    train=TrainConfig(batch_size=16, seq_len=16),
+# The layout tests' model (tests/layouts.py) with a dense first layer and four MoE
+# layers, a sequence aux loss, and a batch M = 8 micro-batches can split.
+MODEL = dataclasses.replace(
+    BASE,
+    model=dataclasses.replace(BASE.model, num_layers=5, first_k_dense=1, mlp_dim=48),
+    moe=dataclasses.replace(BASE.moe, seq_aux_loss_coef=0.05),
+    train=dataclasses.replace(BASE.train, batch_size=16),
 )
 
 

@@ -208,9 +208,7 @@ def _deeper(config: Config) -> Config:
 
 def _stored(config: Config) -> int:
     """Predicted activation bytes of the layer stack (one stage, no head)."""
-    kept, working = memory.stage_activation_bytes(
-        config, memory.stage_units(config, 1)[0], last=False
-    )
+    kept, working = memory.stage_activation_bytes(config, memory.units(config), last=False)
     return kept + working
 
 

@@ -138,7 +138,7 @@ class Layout:
 
     @property
     def stages(self) -> int:
-        return 1 if self.mesh is None else self.mesh.shape[STAGE]
+        return 1 if self.mesh is None else self.mesh.shape.get(STAGE, 1)
 
     def stack(self, run_group, params, biases, x, positions):
         """`run_group(params, biases, x, positions) -> (y, stats)` (stacked layers, stats

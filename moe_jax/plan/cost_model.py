@@ -901,7 +901,7 @@ class _Shard:
     """One parameter as a device holds it: what its gradient sum needs."""
 
     piped: bool  # of the pipelined MoE stack (split over 'stage' when pipelined)
-    bytes: int  # on one device, the stack unsplit over 'stage'
+    bytes: int  # on one device (`memory.device_bytes`: a pipelined stack split over 'stage')
     splits: frozenset[str]  # mesh axes it is split over
     moment_splits: frozenset[str]  # those of its optimizer moments (ZeRO-1: 'data')
 

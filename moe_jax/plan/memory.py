@@ -119,12 +119,9 @@ def split_of(axes, sizes: dict[str, int]) -> int:
     return split_size(axes, sizes)
 
 
-def device_bytes(config: Config, array: StateArray, units: int | None = None) -> int:
-    """Bytes of `array` on one device (the largest shard); `units` replaces the stacked
-    layer count (a pipeline stage holds only its layers)."""
+def device_bytes(config: Config, array: StateArray) -> int:
+    """Bytes of `array` on one device (the largest shard)."""
     shape = array.shape
-    if units is not None and array.stack is not None:
-        shape = (units, *shape[1:])
     sizes = mesh_sizes(config)
     spec = placement(config, array, shape)
     return array.itemsize * math.prod(
@@ -132,7 +129,7 @@ def device_bytes(config: Config, array: StateArray, units: int | None = None) ->
     )
 
 
-# ---------------------------------------------------------------- pipeline stages
+# ---------------------------------------------------------------- the state
 
 
 def units(config: Config) -> list[tuple[str, int]]:
@@ -142,50 +139,18 @@ def units(config: Config) -> list[tuple[str, int]]:
     return [("dense", 1)] * m.first_k_dense + [("moe", m.moe_every)] * m.num_moe_layers
 
 
-def stage_units(config: Config, pp: int) -> list[list[tuple[str, int]]]:
-    """Units of each of `pp` pipeline stages: a unit belongs to the stage its first layer
-    falls in when the layers are cut into pp equal contiguous parts."""
-    stages: list[list[tuple[str, int]]] = [[] for _ in range(pp)]
-    layer = 0
-    for unit in units(config):
-        stages[layer * pp // config.model.num_layers].append(unit)
-        layer += unit[1]
-    return stages
-
-
-def _state_bytes(config: Config, stage: list, first: bool, last: bool) -> dict[str, int]:
-    """params / grads / optimizer bytes of one stage's share of the train state."""
-    counts = {kind: sum(1 for k, _ in stage if k == kind) for kind in ("dense", "moe")}
-    tied = config.model.tie_embeddings
+def _state_bytes(config: Config) -> dict[str, int]:
+    """params / grads / optimizer bytes of one device's share of the train state (every
+    stage holds the same: a pipeline's stack is split over 'stage' by `placement`)."""
     out = {"params": 0, "grads": 0, "optimizer": 0}
     for array in state_arrays(config):
-        if array.stack is not None:
-            if not counts[array.stack]:
-                continue
-            size = device_bytes(config, array, counts[array.stack])
-        else:
-            where = _unstacked_stage(array.path, tied)
-            if (where == "first" and not first) or (where == "last" and not last):
-                continue
-            if where == "both" and not (first or last):
-                continue
-            size = device_bytes(config, array)
+        size = device_bytes(config, array)
         if array.part in ("params", "biases"):
             out["params"] += size
             out["grads"] += size if array.part == "params" else 0
         else:
             out["optimizer"] += size
     return out
-
-
-def _unstacked_stage(path: str, tied: bool) -> str:
-    """Which stage holds an unstacked array: the embedding the first, the head and final
-    norm the last, a tied table both; scalars (step, counts, rng) every stage."""
-    if "'table'" in path:
-        return "both" if tied else "first"
-    if "'head'" in path or "'final_norm'" in path:
-        return "last"
-    return "every"
 
 
 # ---------------------------------------------------------------- activations
@@ -489,7 +454,7 @@ def memory_per_device(config: Config, pp: int = 1, micro_batch: int | None = Non
         return _pipeline_memory(config, config.parallel.stages, micro_batch)
     in_flight = micro_batches(config, micro_batch)
     stage = units(config)
-    state = _state_bytes(config, stage, True, True)
+    state = _state_bytes(config)
     state["grads"] *= 2 if in_flight > 1 else 1  # the sum and one micro-batch's
     kept, working = stage_activation_bytes(config, stage, True, micro_batch)
     return Memory(**state, activations=kept * min(1, in_flight) + working)
@@ -544,7 +509,7 @@ def _pipeline_memory(config: Config, stages: int, micro_batch: int | None) -> Me
     micro = p.microbatches if micro_batch is None else t.batch_size // (p.data * micro_batch)
     micro = max(micro, stages)  # a config planned for `pp` stages without its micro-batches
     micro_batch = micro_batch or t.batch_size // (p.data * micro)
-    state = _state_bytes(config, units(config), True, True)  # placement splits the stack
+    state = _state_bytes(config)
     repeats = p.repeats if p.stages > 1 else 1
     terms = pipeline_activation_bytes(config, stages, micro, repeats, micro_batch)
     return Memory(**state, activations=sum(terms.values()))
