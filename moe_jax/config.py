@@ -15,7 +15,7 @@ from typing import Any
 import ml_collections
 
 SCORE_FNS = ("softmax", "sigmoid")
-MOE_IMPLS = ("auto", "tiled", "ragged_dot", "capacity", "dense")
+MOE_IMPLS = ("auto", "tiled", "ragged_dot", "pallas", "capacity", "dense")
 DTYPES = ("float32", "bfloat16")
 REMAT = ("none", "full", "selective", "offload")  # see moe_jax.model.remat
 

@@ -33,7 +33,7 @@ ROUTING_CASES = {
         num_experts=8, top_k=6, score_fn="sigmoid", capacity_factor=0.8
     ),
 }
-IMPLS = ("tiled", "ragged_dot", "capacity", "dense")
+IMPLS = ("tiled", "ragged_dot", "pallas", "capacity", "dense")
 
 
 def _config(case: str, impl: str) -> MoEConfig:

@@ -95,6 +95,13 @@ def dispatch(x: jax.Array, rows: RowMap) -> jax.Array:
     return padded[rows.source]
 
 
+def row_weights(rows: RowMap, routing: Routing) -> jax.Array:
+    """[R] the routing weight of each buffer row's assignment (zero for empty rows)."""
+    num_rows = rows.source.shape[0]
+    weights = jnp.zeros(num_rows, routing.weights.dtype)
+    return weights.at[rows.row.reshape(-1)].set(routing.weights.reshape(-1), mode="drop")
+
+
 def combine(y: jax.Array, rows: RowMap, routing: Routing) -> jax.Array:
     """Buffer [R, d] -> tokens [T, d]: the routing-weighted sum of each token's rows."""
     padded = jnp.concatenate([y, jnp.zeros((1, y.shape[-1]), y.dtype)])

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from moe_jax.config import MoEConfig
 from moe_jax.kernels.grouped_matmul import ragged_gmm, tiled_gmm
+from moe_jax.kernels.routed_gmm import gather_gmm, gmm_scatter
 from moe_jax.model import remat
 from moe_jax.model.layers import cast_like
 from moe_jax.moe import dispatch as dsp
@@ -61,6 +62,19 @@ def ragged_dot(x: jax.Array, routing: Routing, w: ExpertWeights, cfg: MoEConfig)
     return dsp.combine(_swiglu(dsp.dispatch(x, rows), w, gmm), rows, routing)
 
 
+def pallas(x: jax.Array, routing: Routing, w: ExpertWeights, cfg: MoEConfig) -> jax.Array:
+    """The Pallas grouped GEMM with dispatch fused into the up-projections' prologue
+    and the weighted combine into the down-projection's epilogue (GPU; interpreted,
+    slowly, on CPU)."""
+    rows = dsp.sorted_layout(routing, cfg.num_experts)
+    token, sizes = rows.source, rows.group_sizes
+    gmm = lambda weight: gather_gmm(x, weight, token, sizes)
+    gate, up = remat.tag((gmm(w.gate), gmm(w.up)), remat.FC1_FC3)
+    weight = dsp.row_weights(rows, routing).astype(x.dtype)
+    out = gmm_scatter(jax.nn.silu(gate) * up, w.down, token, weight, sizes, x.shape[0])
+    return remat.tag(out, remat.FC2)
+
+
 def capacity(
     x: jax.Array, routing: Routing, w: ExpertWeights, cfg: MoEConfig, slots: int | None = None
 ) -> jax.Array:
@@ -85,7 +99,13 @@ def dense(x: jax.Array, routing: Routing, w: ExpertWeights, cfg: MoEConfig) -> j
     return out.astype(x.dtype)
 
 
-IMPLS = {"tiled": tiled, "ragged_dot": ragged_dot, "capacity": capacity, "dense": dense}
+IMPLS = {
+    "tiled": tiled,
+    "ragged_dot": ragged_dot,
+    "pallas": pallas,
+    "capacity": capacity,
+    "dense": dense,
+}
 
 
 def compute(
