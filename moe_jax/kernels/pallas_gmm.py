@@ -33,6 +33,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from moe_jax.kernels.varying import unchecked
+
 
 @dataclasses.dataclass(frozen=True)
 class Blocks:
@@ -207,7 +209,7 @@ def grouped_matmul(
         kernel(offsets_ref, group_ref, block_ref, lhs_ref, rhs_ref, *maps, zeros_ref, out_ref)
 
     inputs = [offsets, group, block, lhs, rhs, *optional, zeros]
-    out = pl.pallas_call(
+    call = pl.pallas_call(
         bound,
         out_shape=jax.ShapeDtypeStruct(zeros.shape, zeros.dtype),
         grid=(group.shape[0], width // blocks.n),
@@ -215,7 +217,8 @@ def grouped_matmul(
         interpret=jax.default_backend() != "gpu",
         compiler_params=plt.CompilerParams(num_warps=blocks.warps, num_stages=blocks.stages),
         name="moe_grouped_matmul",
-    )(*inputs)
+    )
+    out = unchecked(call, *inputs)
     return out[:, :n] if out_rows is None else out[:-1, :n]
 
 
@@ -287,12 +290,13 @@ def transposed_grouped_matmul(
         maps = [next(extra) if present else None for present in names]
         kernel(offsets_ref, lhs_ref, rhs_ref, *maps, rest[-1])
 
-    out = pl.pallas_call(
+    call = pl.pallas_call(
         bound,
         out_shape=jax.ShapeDtypeStruct((num_groups, k_pad, n_pad), jnp.float32),
         grid=(num_groups, k_pad // blocks.k, n_pad // blocks.n),
         interpret=jax.default_backend() != "gpu",
         compiler_params=plt.CompilerParams(num_warps=blocks.warps, num_stages=blocks.stages),
         name="moe_transposed_grouped_matmul",
-    )(offsets, lhs, rhs, *optional)
+    )
+    out = unchecked(call, offsets, lhs, rhs, *optional)
     return out[:, :k, :n]

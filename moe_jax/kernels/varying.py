@@ -33,3 +33,26 @@ def varying_axes(x: jax.Array) -> frozenset[str]:
     if hasattr(aval, "vma"):
         return frozenset(aval.vma)
     return frozenset(aval.manual_axis_type.varying)
+
+
+def unchecked(fn, *args: jax.Array) -> jax.Array:
+    """`fn(*args)` typed as varying over every mesh axis any of `args` varies over, with
+    the varying-type checks off inside. Pallas kernels (and their interpreter, which
+    slices varying operands with unvarying indices) do not type-check under
+    `shard_map`; this wraps one in an empty nested `shard_map` that turns the checks
+    off, and types its result as what it is: per-device data."""
+    axes = tuple(sorted(frozenset().union(*(varying_axes(a) for a in args))))
+    if not axes:
+        return fn(*args)
+    spec = jax.sharding.PartitionSpec()
+    # Arithmetic inside the unchecked region drops the types, so the operands' copies
+    # (and everything made from them) are uniformly untyped there.
+    untyped = lambda *a: fn(*(x + jnp.zeros((), x.dtype) for x in a))
+    inner = jax.shard_map(
+        untyped,
+        in_specs=(spec,) * len(args),
+        out_specs=spec,
+        axis_names=frozenset(),
+        check_vma=False,
+    )
+    return jax.lax.pcast(inner(*args), axes, to="varying")
