@@ -47,7 +47,11 @@ MEANINGS: dict[str, str] = {
     "moe.capacity_factor": (
         "slots per expert as a multiple of `tokens * top_k / num_experts`; 0 = dropless"
     ),
-    "moe.impl": "expert compute: `auto`, `tiled`, `ragged_dot`, `capacity` or `dense` (see above)",
+    "moe.impl": (
+        "expert compute: `auto`, `tiled`, `ragged_dot`, `pallas`, `tokamax` (the optional "
+        "tokamax package's grouped GEMM: `pip install tokamax==0.0.17`), `capacity` or `dense` "
+        "(see above)"
+    ),
     "moe.tile_size": "rows per tile of the `tiled` grouped matmul; 0 = auto",
     "moe.aux_loss_coef": "weight of the batch load-balancing loss (Switch)",
     "moe.seq_aux_loss_coef": "weight of the per-sequence load-balancing loss (DeepSeek-V3)",

@@ -12,6 +12,7 @@ import pytest
 
 from moe_jax import config as config_lib
 from moe_jax.config import Config, load, to_config_dict, validate
+from moe_jax.kernels import tokamax_gmm
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -192,9 +193,22 @@ def test_config_module_lists_match_validation():
     for score_fn in config_lib.SCORE_FNS:
         load({"moe": {"score_fn": score_fn}})
     for impl in config_lib.MOE_IMPLS:
+        if impl == "tokamax" and tokamax_gmm.missing():
+            continue  # optional package; its absence is tested below
         extra = {"capacity_factor": 1.0} if impl == "capacity" else {}
         load({"moe": {"impl": impl, **extra}})
     for dtype in config_lib.DTYPES:
         load({"model": {"dtype": dtype}})
     for remat in config_lib.REMAT:
         load({"model": {"remat": remat}})
+
+
+def test_tokamax_without_the_package_is_one_line_error(monkeypatch):
+    """`moe.impl=tokamax` where tokamax does not import is refused at load, in one line
+    naming the setting and the install command."""
+    monkeypatch.setattr(tokamax_gmm, "_module", lambda: None)
+    with pytest.raises(ValueError) as info:
+        load({"moe": {"impl": "tokamax"}})
+    message = str(info.value)
+    assert "\n" not in message and _names_setting(message, "moe.impl"), message
+    assert "pip install tokamax" in message, message

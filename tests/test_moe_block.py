@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +34,20 @@ ROUTING_CASES = {
         num_experts=8, top_k=6, score_fn="sigmoid", capacity_factor=0.8
     ),
 }
-IMPLS = ("tiled", "ragged_dot", "pallas", "capacity", "dense")
+IMPLS = (
+    "tiled",
+    "ragged_dot",
+    "pallas",
+    # The optional tokamax package (XLA's ragged_dot on CPU): only where it is installed.
+    pytest.param(
+        "tokamax",
+        marks=pytest.mark.skipif(
+            importlib.util.find_spec("tokamax") is None, reason="tokamax is not installed"
+        ),
+    ),
+    "capacity",
+    "dense",
+)
 
 
 def _config(case: str, impl: str) -> MoEConfig:
