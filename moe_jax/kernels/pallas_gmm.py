@@ -146,7 +146,10 @@ def _grouped_kernel(
             0, pl.cdiv(contraction, blocks.k), step, jnp.zeros((blocks.m, blocks.n), jnp.float32)
         )
         if out_rows_ref is None:
-            out = out_ref.at[jnp.minimum(r, rows - 1)[:, None], cols[None, :]]
+            # Masked-off lanes point at the last row of `out`: in interpret mode a masked
+            # store writes the old value back, so that row is a spare one there.
+            dest = jnp.where(mine, r, out_ref.shape[0] - 1)
+            out = out_ref.at[dest[:, None], cols[None, :]]
             plt.store(out, acc.astype(out_ref.dtype), mask=mine[:, None])
         else:
             dest, keep = _rows_of(out_rows_ref, r, rows, out_ref.shape[0] - 1)
@@ -191,8 +194,9 @@ def grouped_matmul(
     offsets = group_offsets(group_sizes)
     group, block = work_items(offsets, rows, blocks.m)
     width = pl.cdiv(n, blocks.n) * blocks.n  # whole column blocks: no two lanes share a cell
-    if out_rows is None:
-        zeros = jnp.zeros((rows, width), lhs.dtype)
+    interpret = jax.default_backend() != "gpu"
+    if out_rows is None:  # + a spare row for masked-off lanes when interpreted
+        zeros = jnp.zeros((rows + interpret, width), lhs.dtype)
     else:
         zeros = jnp.zeros((num_out_rows + 1, width), jnp.float32)  # + a spare row for misses
     kernel = functools.partial(
@@ -214,12 +218,12 @@ def grouped_matmul(
         out_shape=jax.ShapeDtypeStruct(zeros.shape, zeros.dtype),
         grid=(group.shape[0], width // blocks.n),
         input_output_aliases={len(inputs) - 1: 0},
-        interpret=jax.default_backend() != "gpu",
+        interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=blocks.warps, num_stages=blocks.stages),
         name="moe_grouped_matmul",
     )
     out = unchecked(call, *inputs)
-    return out[:, :n] if out_rows is None else out[:-1, :n]
+    return out[:rows, :n] if out_rows is None else out[:-1, :n]
 
 
 def _transposed_kernel(
