@@ -15,7 +15,7 @@ from typing import Any
 import ml_collections
 
 SCORE_FNS = ("softmax", "sigmoid")
-MOE_IMPLS = ("auto", "tiled", "ragged_dot", "pallas", "capacity", "dense")
+MOE_IMPLS = ("auto", "tiled", "ragged_dot", "pallas", "tokamax", "capacity", "dense")
 DTYPES = ("float32", "bfloat16")
 REMAT = ("none", "full", "selective", "offload")  # see moe_jax.model.remat
 
@@ -47,12 +47,13 @@ class MoEConfig:
         return self.capacity_factor == 0.0
 
     def tile(self, num_tokens: int) -> int:
-        """Rows per tile: `tile_size`, or by default a power of two in [128, 512]
-        near an eighth of an expert's mean rows (padding stays small, tiles big)."""
+        """Rows per tile: `tile_size`, or by default a power of two in [16, 128] near
+        an eighth of an expert's mean rows. Padding is at most a tile per expert, and
+        the tiled kernel multiplies whole runs of tiles at once, so small is cheap."""
         if self.tile_size:
             return self.tile_size
         rows_per_expert = num_tokens * self.top_k / self.num_experts
-        return int(min(512, max(128, 2 ** math.floor(math.log2(max(rows_per_expert / 8, 1))))))
+        return int(min(128, max(16, 2 ** math.floor(math.log2(max(rows_per_expert / 8, 1))))))
 
     def capacity(self, num_tokens: int) -> int:
         """Slots per expert for `num_tokens` tokens in capacity mode."""
@@ -292,6 +293,7 @@ def validate(config: Config) -> None:
     )
     _check(e.score_fn in SCORE_FNS, "moe.score_fn", e.score_fn, f"valid: {SCORE_FNS}")
     _check(e.impl in MOE_IMPLS, "moe.impl", e.impl, f"valid: {MOE_IMPLS}")
+    _validate_moe_impl(e)
     _check(
         e.num_shared_experts >= 0, "moe.num_shared_experts", e.num_shared_experts, "must be >= 0"
     )
@@ -379,6 +381,16 @@ def _validate_attention_impl(m: ModelConfig) -> None:
     found = problems(m.attention_impl, m.dtype)
     if found:
         raise ValueError(found[0])
+
+
+def _validate_moe_impl(e: MoEConfig) -> None:
+    """`tokamax` needs its optional package (imported here only when chosen)."""
+    if e.impl == "tokamax":
+        from moe_jax.kernels.tokamax_gmm import missing
+
+        problem = missing()
+        if problem:
+            raise ValueError(problem)
 
 
 def _validate_parallel(p: ParallelConfig) -> None:

@@ -24,12 +24,12 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax.kernels.pallas_gmm import grouped_matmul, transposed_grouped_matmul
-from moe_jax.kernels.varying import varying_like
+from moe_jax.kernels.varying import vary_like
 
 
 def gather_gmm(x: jax.Array, w: jax.Array, token: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """[T, K] tokens x [E, K, N] -> [M, N] sorted rows (zero where no expert owns a row)."""
-    x, w = varying_like(x, w), varying_like(w, x)
+    x, w = vary_like(x, w), vary_like(w, x)
     return _gather_gmm(x, w, token, group_sizes)
 
 
@@ -43,9 +43,9 @@ def gmm_scatter(
 ) -> jax.Array:
     """[M, K] sorted rows x [E, K, N] -> [T, N] tokens, each the weighted sum of its rows."""
     h, w, weight = (
-        varying_like(h, w, weight),
-        varying_like(w, h, weight),
-        varying_like(weight, h, w),
+        vary_like(h, w, weight),
+        vary_like(w, h, weight),
+        vary_like(weight, h, w),
     )
     return _gmm_scatter(h, w, token, weight, group_sizes, num_tokens)
 

@@ -27,6 +27,14 @@ def varying_like(init, *like: jax.Array):
     return jax.tree.map(lambda a: a + _zero(a.dtype, like), init)
 
 
+def vary_like(x: jax.Array, *like: jax.Array) -> jax.Array:
+    """`x` retyped to vary over the mesh axes any of `like` varies over as well: no copy
+    (outside `shard_map`, or when it already does, `x` itself), and in the backward
+    pass its cotangent is summed over the axes it gained."""
+    missing = frozenset().union(*(varying_axes(a) for a in like)) - varying_axes(x)
+    return jax.lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x
+
+
 def varying_axes(x: jax.Array) -> frozenset[str]:
     """The mesh axes `x` varies over inside `shard_map` (jax 0.11 spells it `vma`)."""
     aval = jax.typeof(x)

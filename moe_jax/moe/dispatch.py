@@ -30,8 +30,6 @@ class RowMap:
     row: jax.Array  # [T, k] buffer row of each assignment; num_rows where dropped
     source: jax.Array  # [R] token feeding each row; T marks an empty (zero) row
     group_sizes: jax.Array  # [E] rows owned by each expert (padding included)
-    tile_expert: jax.Array  # [R // tile] expert owning each tile
-    num_tiles: jax.Array  # [] tiles holding at least one row
 
 
 def _round_up(x, multiple):
@@ -57,14 +55,8 @@ def sorted_layout(routing: Routing, num_experts: int, tile: int = 1) -> RowMap:
     row = jnp.zeros(assignments, jnp.int32).at[order].set(row_sorted.astype(jnp.int32))
     token = jnp.arange(assignments, dtype=jnp.int32) // k
     source = jnp.full(num_rows, num_tokens, jnp.int32).at[row].set(token, mode="drop")
-    tiles = jnp.arange(num_rows // tile)
-    tile_expert = jnp.searchsorted(padded_ends // tile, tiles, side="right")
     return RowMap(
-        row=row.reshape(num_tokens, k),
-        source=source,
-        group_sizes=padded.astype(jnp.int32),
-        tile_expert=jnp.minimum(tile_expert, num_experts - 1).astype(jnp.int32),
-        num_tiles=(padded_ends[-1] // tile).astype(jnp.int32),
+        row=row.reshape(num_tokens, k), source=source, group_sizes=padded.astype(jnp.int32)
     )
 
 
@@ -84,28 +76,77 @@ def capacity_layout(routing: Routing, num_experts: int, capacity: int) -> RowMap
         row=row.astype(jnp.int32),
         source=source,
         group_sizes=jnp.full(num_experts, capacity, jnp.int32),
-        tile_expert=jnp.arange(num_experts, dtype=jnp.int32),
-        num_tiles=jnp.asarray(num_experts, jnp.int32),
     )
 
 
 def dispatch(x: jax.Array, rows: RowMap) -> jax.Array:
     """Token rows [T, d] -> expert-ordered buffer [R, d] (empty rows are zero)."""
-    padded = jnp.concatenate([x, jnp.zeros((1, x.shape[-1]), x.dtype)])
-    return padded[rows.source]
+    return _dispatch(x, rows.source, rows.row)
+
+
+@jax.custom_vjp
+def _dispatch(x, source, row):
+    return _gather_rows(x, source)
+
+
+def _gather_rows(a: jax.Array, index: jax.Array) -> jax.Array:
+    """a[index], where an index of len(a) reads a zero row."""
+    return jnp.concatenate([a, jnp.zeros((1, a.shape[-1]), a.dtype)])[index]
+
+
+def _dispatch_fwd(x, source, row):
+    return _gather_rows(x, source), row
+
+
+def _dispatch_bwd(row, grad):
+    """Each token's gradient is the sum of its k rows': a gather by `row`, where the
+    plain transpose of the forward's gather would be a scatter-add (slow on CPU)."""
+    dx = jnp.sum(_gather_rows(grad, row), axis=1, dtype=jnp.float32).astype(grad.dtype)
+    return dx, None, None
+
+
+_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
 
 
 def row_weights(rows: RowMap, routing: Routing) -> jax.Array:
     """[R] the routing weight of each buffer row's assignment (zero for empty rows)."""
-    num_rows = rows.source.shape[0]
-    weights = jnp.zeros(num_rows, routing.weights.dtype)
-    return weights.at[rows.row.reshape(-1)].set(routing.weights.reshape(-1), mode="drop")
+    return _row_weights(rows.row, routing.weights, rows.source.shape[0])
+
+
+def _row_weights(row: jax.Array, weights: jax.Array, num_rows: int) -> jax.Array:
+    empty = jnp.zeros(num_rows, weights.dtype)
+    return empty.at[row.reshape(-1)].set(weights.reshape(-1), mode="drop")
 
 
 def combine(y: jax.Array, rows: RowMap, routing: Routing) -> jax.Array:
     """Buffer [R, d] -> tokens [T, d]: the routing-weighted sum of each token's rows."""
-    padded = jnp.concatenate([y, jnp.zeros((1, y.shape[-1]), y.dtype)])
-    picked = padded[rows.row]  # [T, k, d]; dropped assignments read the zero row
-    weights = routing.weights.astype(y.dtype)
+    return _combine(y, routing.weights.astype(y.dtype), rows.source, rows.row)
+
+
+def _weighted_sum(y, weights, row):
+    picked = _gather_rows(y, row)  # [T, k, d]; dropped assignments read the zero row
     out = jnp.einsum("tk,tkd->td", weights, picked, preferred_element_type=jnp.float32)
-    return out.astype(y.dtype)
+    return out.astype(y.dtype), picked
+
+
+@jax.custom_vjp
+def _combine(y, weights, source, row):
+    return _weighted_sum(y, weights, row)[0]
+
+
+def _combine_fwd(y, weights, source, row):
+    out, picked = _weighted_sum(y, weights, row)
+    return out, (picked, weights, source, row)
+
+
+def _combine_bwd(residuals, grad):
+    """Row r's gradient is its assignment's weight times its token's gradient: a gather
+    by `source` (the forward's transpose would scatter-add into the rows)."""
+    picked, weights, source, row = residuals
+    row_weight = _row_weights(row, weights, source.shape[0])
+    dy = (_gather_rows(grad, source) * row_weight[:, None]).astype(picked.dtype)
+    dweights = jnp.einsum("td,tkd->tk", grad, picked, preferred_element_type=jnp.float32)
+    return dy, dweights.astype(weights.dtype), None, None
+
+
+_combine.defvjp(_combine_fwd, _combine_bwd)

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from moe_jax.config import MoEConfig
 from moe_jax.kernels.grouped_matmul import ragged_gmm, tiled_gmm
 from moe_jax.kernels.routed_gmm import gather_gmm, gmm_scatter
+from moe_jax.kernels.tokamax_gmm import tokamax_gmm
 from moe_jax.model import remat
 from moe_jax.model.layers import cast_like
 from moe_jax.moe import dispatch as dsp
@@ -51,7 +52,7 @@ def tiled(x: jax.Array, routing: Routing, w: ExpertWeights, cfg: MoEConfig) -> j
     """Sorted, tile-padded rows and a loop of per-tile matmuls (fast on CPU)."""
     tile = cfg.tile(x.shape[0])
     rows = dsp.sorted_layout(routing, cfg.num_experts, tile)
-    gmm = lambda r, weight: tiled_gmm(r, weight, rows.tile_expert, rows.num_tiles, tile)
+    gmm = lambda r, weight: tiled_gmm(r, weight, rows.group_sizes, tile)
     return dsp.combine(_swiglu(dsp.dispatch(x, rows), w, gmm), rows, routing)
 
 
@@ -59,6 +60,14 @@ def ragged_dot(x: jax.Array, routing: Routing, w: ExpertWeights, cfg: MoEConfig)
     """Sorted rows and XLA's `ragged_dot` (the GPU/TPU path)."""
     rows = dsp.sorted_layout(routing, cfg.num_experts)
     gmm = lambda r, weight: ragged_gmm(r, weight, rows.group_sizes)
+    return dsp.combine(_swiglu(dsp.dispatch(x, rows), w, gmm), rows, routing)
+
+
+def tokamax(x: jax.Array, routing: Routing, w: ExpertWeights, cfg: MoEConfig) -> jax.Array:
+    """Sorted rows and the optional tokamax package's `ragged_dot` (its GPU kernels;
+    XLA's ragged_dot where it has none): `moe_jax.kernels.tokamax_gmm`."""
+    rows = dsp.sorted_layout(routing, cfg.num_experts)
+    gmm = lambda r, weight: tokamax_gmm(r, weight, rows.group_sizes)
     return dsp.combine(_swiglu(dsp.dispatch(x, rows), w, gmm), rows, routing)
 
 
@@ -103,6 +112,7 @@ IMPLS = {
     "tiled": tiled,
     "ragged_dot": ragged_dot,
     "pallas": pallas,
+    "tokamax": tokamax,
     "capacity": capacity,
     "dense": dense,
 }
