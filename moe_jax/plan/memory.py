@@ -258,21 +258,24 @@ def _expert_terms(
     own tile-padded buffer."""
     impl, e_local = resolve_impl(moe), moe.num_experts
     weights = 3 * e_local * z.h * f_local * z.B
-    if impl == "tiled":  # copies of rows and weights made per matmul (`_varying_like`)
+    if impl == "tiled":  # tile-padded rows, each piece its own buffer and chunk plan
         per = tokens // pieces
         tile = moe.tile(per)
         padded = -(-(per * choices + e_local * (tile - 1)) // tile) * tile
         rows = pieces * padded
-        copies, indices = 2, rows + pieces * (padded // tile + 1)
-        weights *= pieces  # each piece's matmuls copy the weights they read
-    else:  # ragged_dot / capacity / dense read the rows and (float32) weights as they are
+        levels = max(1, (padded // tile).bit_length())
+        indices = rows + pieces * levels * (2 * e_local + 1)
+        # the weights are cast once per piece, but each cast lives only while its piece
+        # runs: one piece's copy at a time (the pieces' gradient accumulators, which do
+        # all live at once, are `piece_gradient_bytes`)
+    else:  # ragged_dot / capacity / dense
         capacity = slots or moe.capacity(tokens)
         rows = e_local * capacity if impl == "capacity" else tokens * choices
-        copies, indices = 1, rows
-        # float32 weights are the parameters themselves, unless gathered over 'data'
-        weights = weights if z.B != FP32 or config.parallel.expert_fsdp else 0
+        indices = rows
+    # float32 weights are read as the parameters themselves, unless gathered over 'data'
+    weights = weights if z.B != FP32 or config.parallel.expert_fsdp else 0
     return {
-        "expert_rows": copies * rows * z.h * z.B + 4 * indices,
+        "expert_rows": rows * z.h * z.B + 4 * indices,
         "expert_hidden": 6 * rows * f_local * z.B,
         "expert_weights": weights,
     }
@@ -308,8 +311,7 @@ def block_activation_bytes(
                  forms: every gathered assignment, not just the local ones; ep_a2a:
                  the n·t·k received rows, n·slots, or fewer with
                  parallel.a2a_buffer_factor; `tiled` pads each expert to a
-                 tile and keeps the rows twice, with a copy of the local weights
-                 3·E_l·h·f_l·B; ragged_dot copies them only when cast to bf16)
+                 tile; the weights are copied only when cast to bf16)
       dense MLP  input t·h·B and 6 hidden t·w·B (tp: b·s·h·B and 6·b·s·(w/n)·B)
 
     The paper counts (2n+2k+3kf+12+5/m)·b·s·h/n bytes per layer (bf16; f = h_ffn/h,
@@ -348,14 +350,40 @@ def block_activation_bytes(
         terms["exchange"] = tokens * 12  # received expert ids, row indices, weights
     terms.update(_router_terms(routed, z, e.num_experts, e.top_k))
     f_local = e.expert_mlp_dim // tensor
-    ring = config.parallel.collective_matmul and spec.ring_dispatcher is not None
-    pieces = config.parallel.overlap_chunks * (z.n if ring else 1)  # chunks, ring steps
+    pieces = _expert_pieces(config, z)
     terms.update(_expert_terms(config, z, tokens, choices, local, f_local, group_slots, pieces))
     if e.num_shared_experts:
         width = e.num_shared_experts * e.shared_mlp_dim
         shared = _mlp_terms(config, z, width)
         terms.update({f"shared_{k}": v for k, v in shared.items()})
     return terms
+
+
+def _expert_pieces(config: Config, z: _Sizes) -> int:
+    """The independent groups an expert block's rows are computed in: its
+    parallel.overlap_chunks chunks, times the n ring steps of each under
+    parallel.collective_matmul (where the expert layout has a ring form)."""
+    spec = registry.expert_spec(config)
+    ring = config.parallel.collective_matmul and spec.ring_dispatcher is not None
+    return config.parallel.overlap_chunks * (z.n if ring else 1)
+
+
+def piece_gradient_bytes(config: Config, micro_batch: int | None = None) -> int:
+    """The `tiled` kernel's float32 weight-gradient accumulators beyond the one the
+    layer's own gradient is, in the backward of an expert block computed in P > 1
+    pieces (`_expert_pieces`): every piece's backward accumulates its own gradient of
+    the local gate, up and down weights, (P - 1)·3·E_l·h·f_l·4, and XLA makes all P
+    zeroed accumulators before the first piece's backward runs (one zero broadcast,
+    copied per loop; tests/test_plan_memory.py, the 'rings' Mixtral plan: 96
+    f32[8, 4096, 1792] live at the peak). Part of the backward's working set, once."""
+    e = config.moe
+    if resolve_impl(e) != "tiled":
+        return 0
+    z = _sizes(config, micro_batch)
+    pieces = _expert_pieces(config, z)
+    expert, tensor = registry.expert_split(config)
+    f_local = e.expert_mlp_dim // tensor
+    return (pieces - 1) * 3 * (e.num_experts // expert) * z.h * f_local * FP32
 
 
 def _head_bytes(config: Config, z: _Sizes) -> int:
@@ -414,19 +442,22 @@ def stage_activation_bytes(
     its input x [t, h] is kept, and the backward recomputes one unit at a time,
     holding that unit's activations. With 'selective' (and 'offload', whose kept
     tensors wait in host memory) each unit keeps its named tensors and the backward
-    rebuilds the rest of one unit at a time."""
+    rebuilds the rest of one unit at a time. An MoE stage's backward also holds
+    `piece_gradient_bytes`, in every mode."""
     z = _sizes(config, micro_batch)
     per_unit = [unit_activation_bytes(config, unit, micro_batch) for unit in stage]
     head = _head_bytes(config, z) if last else 0
+    moe = any(kind == "moe" for kind, _ in stage)
+    pieces = piece_gradient_bytes(config, micro_batch) if moe else 0
     remat = config.model.remat
     if remat == "full":
-        return len(stage) * z.t * z.h * z.B + head, max(per_unit, default=0)
+        return len(stage) * z.t * z.h * z.B + head, max(per_unit, default=0) + pieces
     if remat in ("selective", "offload"):
         kept = [unit_activation_bytes(config, u, micro_batch, selective=True) for u in stage]
         rebuilt = max((a - k for a, k in zip(per_unit, kept, strict=True)), default=0)
         on_device = sum(kept) if remat == "selective" else 0
-        return on_device + head, rebuilt
-    return sum(per_unit) + head, 0
+        return on_device + head, rebuilt + pieces
+    return sum(per_unit) + head, pieces
 
 
 def micro_batches(config: Config, micro_batch: int | None = None) -> int:
