@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -48,27 +49,29 @@ def _swiglu(x: jax.Array, w: ExpertWeights, gmm: Gmm) -> jax.Array:
     return remat.tag(gmm(jax.nn.silu(gate) * up, w.down), remat.FC2)
 
 
-def tiled(x: jax.Array, routing: Routing, w: ExpertWeights, cfg: MoEConfig) -> jax.Array:
-    """Sorted, tile-padded rows and a loop of per-tile matmuls (fast on CPU)."""
-    tile = cfg.tile(x.shape[0])
+def _sorted(x: jax.Array, routing: Routing, w: ExpertWeights, cfg: MoEConfig, grouped, tile=1):
+    """Dispatch into rows sorted by expert (groups padded to `tile`), the SwiGLU with
+    `grouped(rows, weight, group_sizes)` as its matmul, combine."""
     rows = dsp.sorted_layout(routing, cfg.num_experts, tile)
-    gmm = lambda r, weight: tiled_gmm(r, weight, rows.group_sizes, tile)
+    gmm = lambda r, weight: grouped(r, weight, rows.group_sizes)
     return dsp.combine(_swiglu(dsp.dispatch(x, rows), w, gmm), rows, routing)
+
+
+def tiled(x: jax.Array, routing: Routing, w: ExpertWeights, cfg: MoEConfig) -> jax.Array:
+    """Sorted, tile-padded rows, each group multiplied in runs of whole tiles (CPU)."""
+    tile = cfg.tile(x.shape[0])
+    return _sorted(x, routing, w, cfg, partial(tiled_gmm, tile=tile), tile)
 
 
 def ragged_dot(x: jax.Array, routing: Routing, w: ExpertWeights, cfg: MoEConfig) -> jax.Array:
     """Sorted rows and XLA's `ragged_dot` (the GPU/TPU path)."""
-    rows = dsp.sorted_layout(routing, cfg.num_experts)
-    gmm = lambda r, weight: ragged_gmm(r, weight, rows.group_sizes)
-    return dsp.combine(_swiglu(dsp.dispatch(x, rows), w, gmm), rows, routing)
+    return _sorted(x, routing, w, cfg, ragged_gmm)
 
 
 def tokamax(x: jax.Array, routing: Routing, w: ExpertWeights, cfg: MoEConfig) -> jax.Array:
     """Sorted rows and the optional tokamax package's `ragged_dot` (its GPU kernels;
     XLA's ragged_dot where it has none): `moe_jax.kernels.tokamax_gmm`."""
-    rows = dsp.sorted_layout(routing, cfg.num_experts)
-    gmm = lambda r, weight: tokamax_gmm(r, weight, rows.group_sizes)
-    return dsp.combine(_swiglu(dsp.dispatch(x, rows), w, gmm), rows, routing)
+    return _sorted(x, routing, w, cfg, tokamax_gmm)
 
 
 def pallas(x: jax.Array, routing: Routing, w: ExpertWeights, cfg: MoEConfig) -> jax.Array:
