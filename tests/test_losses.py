@@ -5,6 +5,8 @@ The expected numbers below are worked out by hand from the formulas in
 `moe_jax/moe/losses.py`, not by calling the library.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -172,3 +174,41 @@ def test_z_loss_gradient_by_hand():
     # softmax(LOGITS) == PROBS and lse == SHIFT by construction.
     expected = 2 * SHIFT[:, None] * PROBS / 4
     np.testing.assert_allclose(g, expected, rtol=1e-5, atol=1e-7)
+
+
+def _random_routing(seed: int, tokens: int, experts: int, k: int) -> Routing:
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(size=(tokens, experts)).astype(np.float32)
+    probs = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+    index = np.argsort(-probs, axis=-1)[:, :k]
+    return _routing(index, probs, logits)
+
+
+def test_sharded_statistics_combine_into_the_whole_batch_in_one_all_reduce_per_dtype():
+    """8 devices as (batch 2, seq 2, copy 2): each shard's statistics, combined, equal
+    those of the whole batch (4 sequences of 8 tokens) computed on one device, and the
+    combine lowers to one all-reduce per dtype (float statistics, integer load)."""
+    from jax.sharding import PartitionSpec as P
+
+    from moe_jax.moe.losses import router_stats
+
+    batch, seq, experts, k = 4, 8, 5, 2
+    routing = _random_routing(0, batch * seq, experts, k)
+    whole = router_stats(routing, batch)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 2, 2), ("b", "s", "c"))
+    split = lambda a: a.reshape(batch, seq, *a.shape[1:])  # [B, S, ...] for the shards
+    spec = P("b", "s")
+
+    def shard(index, probs, logits):
+        # each copy computed on its own device, as a dispatcher's copies are
+        flat = lambda a: jax.lax.pcast(a.reshape(-1, *a.shape[2:]), "c", to="varying")
+        local = _routing(flat(index), flat(probs), flat(logits))
+        return router_stats(local, index.shape[0]).combine(("b",), ("s",), ("c",))
+
+    combined = jax.jit(jax.shard_map(shard, mesh=mesh, in_specs=spec, out_specs=P()))
+    args = (split(routing.expert_index), split(routing.probs), split(routing.logits))
+    got = combined(*args)
+    for name in ("fraction", "mean_prob", "seq_fraction", "seq_prob", "z_loss", "load"):
+        np.testing.assert_allclose(getattr(got, name), getattr(whole, name), rtol=1e-6)
+    hlo = combined.lower(*args).compile().as_text()
+    assert len(re.findall(r" all-reduce\(", hlo)) == 2, hlo

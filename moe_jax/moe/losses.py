@@ -70,22 +70,30 @@ class RouterStats:
         `batch_axes` hold different sequences, `seq_axes` different tokens of the
         same sequences, `copy_axes` identical copies (averaged, which also marks
         the result replicated and spreads its gradient evenly over the copies).
+        Every statistic is written as a sum over all those axes (the per-sequence
+        rows placed at their shard's offset), so that the whole combine is one
+        all-reduce per layer rather than one per kind of statistic.
         """
         every = (*batch_axes, *seq_axes, *copy_axes)
-        mean = lambda x, axes: jax.lax.pmean(x, axes) if axes else x
-        gather = lambda x: _gather_rows(x, batch_axes) if batch_axes else x
-        seq_fraction = gather(mean(self.seq_fraction, (*seq_axes, *copy_axes)))
-        seq_prob = gather(mean(self.seq_prob, (*seq_axes, *copy_axes)))
-        shards = (*batch_axes, *seq_axes)
-        load = jax.lax.psum(self.load, shards) if shards else self.load
+        if not every:
+            return self
+        mean = lambda x, axes: x / jax.lax.psum(1, axes) if axes else x  # of a psum
+        placed = lambda x: _placed_rows(x, batch_axes) if batch_axes else x
+        total = jax.lax.psum(
+            dataclasses.replace(
+                self, seq_fraction=placed(self.seq_fraction), seq_prob=placed(self.seq_prob)
+            ),
+            every,
+        )
+        within = (*seq_axes, *copy_axes)  # the shards of each sequence's statistics
         return RouterStats(
-            fraction=mean(self.fraction, every),
-            mean_prob=mean(self.mean_prob, every),
-            seq_fraction=seq_fraction,
-            seq_prob=seq_prob,
-            z_loss=mean(self.z_loss, every),
-            load=mean(load, copy_axes),
-            dropped_fraction=mean(self.dropped_fraction, every),
+            fraction=mean(total.fraction, every),
+            mean_prob=mean(total.mean_prob, every),
+            seq_fraction=mean(total.seq_fraction, within),
+            seq_prob=mean(total.seq_prob, within),
+            z_loss=mean(total.z_loss, every),
+            load=mean(total.load, copy_axes),
+            dropped_fraction=mean(total.dropped_fraction, every),
         )
 
 
@@ -97,14 +105,12 @@ def merge_chunks(chunks: list[RouterStats]) -> RouterStats:
     return dataclasses.replace(merged, load=sum(chunk.load for chunk in chunks))
 
 
-def _gather_rows(x: jax.Array, axes) -> jax.Array:
-    """All shards' rows, stacked in mesh order, as a replicated value (a psum of
-    zero-padded shards, which JAX knows to be the same on every device)."""
-    shards = jax.lax.psum(1, axes)
+def _placed_rows(x: jax.Array, axes) -> jax.Array:
+    """`x` at its shard's rows of a zero [shards * rows, ...] array (in mesh order), so
+    that a psum over `axes` stacks all shards' rows."""
     index = jax.lax.axis_index(axes)
-    full = jnp.zeros((shards * x.shape[0], *x.shape[1:]), x.dtype)
-    full = jax.lax.dynamic_update_slice_in_dim(full, x, index * x.shape[0], 0)
-    return jax.lax.psum(full, axes)
+    full = jnp.zeros((jax.lax.psum(1, axes) * x.shape[0], *x.shape[1:]), x.dtype)
+    return jax.lax.dynamic_update_slice_in_dim(full, x, index * x.shape[0], 0)
 
 
 def router_stats(routing: Routing, batch_size: int) -> RouterStats:
