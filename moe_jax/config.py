@@ -98,8 +98,9 @@ class TrainConfig:
     seq_len: int = 128
     grad_accum: int = 1  # micro-batches per step (batch_size must divide evenly)
     learning_rate: float = 3e-3
-    schedule: str = "cosine"  # decay after warmup: cosine or linear
+    schedule: str = "cosine"  # after warmup: cosine, linear, constant, wsd or inverse_sqrt
     min_lr_ratio: float = 0.1  # final learning rate / peak
+    wsd_decay_fraction: float = 0.1  # schedule=wsd: the last fraction of steps that decay
     warmup_steps: int = 20
     weight_decay: float = 0.1
     decay_norms: bool = False  # apply weight decay to norm scales
@@ -201,7 +202,7 @@ SECTIONS = {
     "profile": ProfileConfig,
 }
 DATA_SOURCES = ("stdlib", "tokens", "synthetic")
-SCHEDULES = ("cosine", "linear")
+SCHEDULES = ("cosine", "linear", "constant", "wsd", "inverse_sqrt")
 
 
 def to_config_dict(config: Config) -> ml_collections.ConfigDict:
@@ -342,6 +343,12 @@ def validate(config: Config) -> None:
     )
     _check(t.schedule in SCHEDULES, "train.schedule", t.schedule, f"valid: {SCHEDULES}")
     _check(0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio", t.min_lr_ratio, "must be in [0, 1]")
+    _check(
+        0 < t.wsd_decay_fraction <= 1,
+        "train.wsd_decay_fraction",
+        t.wsd_decay_fraction,
+        "must be in (0, 1]",
+    )
     for name in ("warmup_steps", "weight_decay", "eval_every", "checkpoint_every", "eps"):
         _check(getattr(t, name) >= 0, f"train.{name}", getattr(t, name), "must be >= 0")
     _check(t.grad_clip >= 0, "train.grad_clip", t.grad_clip, "must be >= 0 (0 disables)")

@@ -62,7 +62,10 @@ MEANINGS: dict[str, str] = {
     "train.seq_len": "tokens per sequence",
     "train.grad_accum": "micro-batches per step (must divide `batch_size`)",
     "train.learning_rate": "peak learning rate",
-    "train.schedule": "decay after warmup: `cosine` or `linear`",
+    "train.schedule": "after warmup: `cosine` or `linear` decay to the floor, `constant`, "
+    "`wsd` (warmup-stable-decay) or `inverse_sqrt`",
+    "train.wsd_decay_fraction": "schedule=wsd: the last fraction of the steps, which decay "
+    "linearly to the floor",
     "train.min_lr_ratio": "final learning rate / peak",
     "train.warmup_steps": "steps of linear warmup from 0 to the peak",
     "train.weight_decay": "AdamW weight decay (matrices; norms and embeddings as set below)",

@@ -36,14 +36,31 @@ class TrainState:
 
 
 def learning_rate(cfg: TrainConfig) -> optax.Schedule:
-    """Linear warmup to the peak, then cosine or linear decay to min_lr_ratio * peak."""
+    """Linear warmup to the peak over `warmup_steps`, then `schedule`:
+
+    * `cosine`, `linear`: decay to min_lr_ratio * peak at the last step;
+    * `constant`: the peak to the end;
+    * `wsd` (warmup-stable-decay): the peak until the last `wsd_decay_fraction` of
+      the steps, then linear decay to the floor (a run can be extended, or branched
+      into a decay, from any checkpoint of the stable phase);
+    * `inverse_sqrt`: peak * sqrt(warmup / step), never under the floor.
+    """
     peak, floor = cfg.learning_rate, cfg.learning_rate * cfg.min_lr_ratio
     warmup = optax.linear_schedule(0.0, peak, max(cfg.warmup_steps, 1))
-    decay_steps = max(cfg.steps - cfg.warmup_steps, 1)
+    after = max(cfg.steps - cfg.warmup_steps, 1)  # steps after the warmup
     if cfg.schedule == "cosine":
-        decay = optax.cosine_decay_schedule(peak, decay_steps, alpha=cfg.min_lr_ratio)
-    else:
-        decay = optax.linear_schedule(peak, floor, decay_steps)
+        decay = optax.cosine_decay_schedule(peak, after, alpha=cfg.min_lr_ratio)
+    elif cfg.schedule == "linear":
+        decay = optax.linear_schedule(peak, floor, after)
+    elif cfg.schedule == "constant":
+        decay = optax.constant_schedule(peak)
+    elif cfg.schedule == "wsd":
+        decaying = max(round(cfg.steps * cfg.wsd_decay_fraction), 1)
+        stable = max(after - decaying, 0)
+        decay = optax.linear_schedule(peak, floor, decaying, transition_begin=stable)
+    else:  # inverse_sqrt; join_schedules counts steps from the end of the warmup
+        warm = max(cfg.warmup_steps, 1)
+        decay = lambda step: jnp.maximum(peak * jnp.sqrt(warm / (step + warm)), floor)
     return optax.join_schedules([warmup, decay], [cfg.warmup_steps])
 
 

@@ -172,6 +172,11 @@ def run(config: config_lib.Config, workdir: str | Path) -> dict[str, Any]:
                 f"overlap_chunks={p.overlap_chunks} collective_matmul={p.collective_matmul} "
                 f"stages={p.stages} microbatches={p.microbatches} repeats={p.repeats}"
             )
+        if tc.warmup_steps >= tc.steps:
+            say(
+                f"warning: train.warmup_steps={tc.warmup_steps} >= train.steps={tc.steps}: "
+                f"the learning rate never reaches its peak train.learning_rate={tc.learning_rate}"
+            )
         mesh = mesh_lib.make_mesh(config)
         layout = mesh_lib.make_layout(config, mesh)
         sharding = mesh_lib.batch_sharding(layout)

@@ -71,3 +71,30 @@ def test_schedule_warms_up_then_decays_to_floor(schedule: str):
     np.testing.assert_allclose(float(lr(60)), 0.55, rtol=1e-5)
     quarter = 0.1 + 0.9 * (0.5 + 0.5 * np.cos(np.pi / 4)) if schedule == "cosine" else 0.775
     np.testing.assert_allclose(float(lr(35)), quarter, rtol=1e-5)
+
+
+def _schedule(name: str, **train) -> list[float]:
+    settings = dict(steps=110, warmup_steps=10, learning_rate=1.0, min_lr_ratio=0.1)
+    lr = learning_rate(TrainConfig(schedule=name, **{**settings, **train}))
+    return lambda step: float(lr(step))
+
+
+def test_constant_schedule_holds_the_peak_after_warmup():
+    lr = _schedule("constant")
+    assert [lr(0), lr(5)] == [0.0, 0.5]
+    assert lr(10) == lr(60) == lr(110) == 1.0
+
+
+def test_wsd_is_stable_then_decays_linearly_over_its_last_fraction():
+    """110 steps, 20% decaying: the peak from step 10 to 88, then linear to 0.1 at 110."""
+    lr = _schedule("wsd", wsd_decay_fraction=0.2)
+    np.testing.assert_allclose([lr(5), lr(10), lr(50), lr(88)], [0.5, 1.0, 1.0, 1.0], rtol=1e-6)
+    np.testing.assert_allclose(lr(99), 1.0 - 0.9 * 11 / 22, rtol=1e-6)
+    np.testing.assert_allclose(lr(110), 0.1, rtol=1e-6)
+
+
+def test_inverse_sqrt_falls_as_one_over_root_step_down_to_the_floor():
+    """peak * sqrt(warmup / step): 1 at 10, 1/2 at 40, 1/4 at 160; never under 0.1."""
+    lr = _schedule("inverse_sqrt", steps=2000)
+    np.testing.assert_allclose([lr(10), lr(40), lr(160)], [1.0, 0.5, 0.25], rtol=1e-6)
+    np.testing.assert_allclose(lr(2000), 0.1, rtol=1e-6)  # sqrt(10/2000) = 0.07 < floor

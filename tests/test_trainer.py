@@ -372,3 +372,50 @@ def test_prepare_stores_each_splits_largest_id(tmp_path: Path):
     for split in ("train", "val"):
         tokens = np.fromfile(tmp_path / "out" / f"{split}.bin", np.uint16)
         assert meta["splits"][split]["max_id"] == int(tokens.max())
+
+
+# 8 steps, warmup 2, peak 0.01, floor 0.001: the rate each step used, by hand.
+SCHEDULES = {
+    "constant": [0.0, 0.005, 0.01, 0.01, 0.01, 0.01, 0.01, 0.01],
+    # wsd_decay_fraction 0.5: stable to step 4, then linear to the floor at step 8.
+    "wsd": [0.0, 0.005, 0.01, 0.01, 0.01, 0.01 - 0.009 / 4, 0.01 - 0.009 / 2, 0.01 - 0.027 / 4],
+    # peak * sqrt(2 / step) from step 2, floored at 0.001 (never reached here).
+    "inverse_sqrt": [0.0, 0.005, *(0.01 * np.sqrt(2 / s) for s in range(2, 8))],
+}
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_schedule_from_the_command_line_sets_each_step_rate(tmp_path: Path, schedule: str):
+    run = _train_cli(
+        tmp_path / "run",
+        *TINY,
+        "--config.train.steps=8",
+        "--config.train.warmup_steps=2",
+        "--config.train.learning_rate=0.01",
+        "--config.train.min_lr_ratio=0.1",
+        "--config.train.eval_every=0",
+        "--config.train.checkpoint_every=0",
+        f"--config.train.schedule={schedule}",
+        "--config.train.wsd_decay_fraction=0.5",
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [r for r in read_rows(tmp_path / "run" / "metrics.jsonl") if "lr" in r]
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    np.testing.assert_allclose([r["lr"] for r in rows], SCHEDULES[schedule], rtol=1e-5)
+    assert "warning" not in run.stdout + run.stderr
+
+
+def test_warmup_as_long_as_the_run_warns_in_one_line(tmp_path: Path):
+    run = _train_cli(
+        tmp_path / "run",
+        *TINY,
+        "--config.train.steps=2",
+        "--config.train.warmup_steps=2",
+        "--config.train.eval_every=0",
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    warnings = [line for line in run.stdout.splitlines() if line.startswith("warning:")]
+    assert warnings == [
+        "warning: train.warmup_steps=2 >= train.steps=2: the learning rate never reaches "
+        "its peak train.learning_rate=0.003"
+    ]
