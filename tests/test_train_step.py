@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from functools import partial
 
 import jax
@@ -73,7 +74,7 @@ def test_schedule_warms_up_then_decays_to_floor(schedule: str):
     np.testing.assert_allclose(float(lr(35)), quarter, rtol=1e-5)
 
 
-def _schedule(name: str, **train) -> list[float]:
+def _schedule(name: str, **train) -> Callable[[int], float]:
     settings = dict(steps=110, warmup_steps=10, learning_rate=1.0, min_lr_ratio=0.1)
     lr = learning_rate(TrainConfig(schedule=name, **{**settings, **train}))
     return lambda step: float(lr(step))
