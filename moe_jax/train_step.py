@@ -55,7 +55,8 @@ def learning_rate(cfg: TrainConfig) -> optax.Schedule:
     elif cfg.schedule == "constant":
         decay = optax.constant_schedule(peak)
     elif cfg.schedule == "wsd":
-        decaying = max(round(cfg.steps * cfg.wsd_decay_fraction), 1)
+        # A warmup reaching into the decay window shortens the decay, not the floor.
+        decaying = min(max(round(cfg.steps * cfg.wsd_decay_fraction), 1), after)
         stable = max(after - decaying, 0)
         decay = optax.linear_schedule(peak, floor, decaying, transition_begin=stable)
     else:  # inverse_sqrt; join_schedules counts steps from the end of the warmup

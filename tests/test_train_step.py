@@ -94,6 +94,13 @@ def test_wsd_is_stable_then_decays_linearly_over_its_last_fraction():
     np.testing.assert_allclose(lr(110), 0.1, rtol=1e-6)
 
 
+def test_wsd_whose_warmup_reaches_into_the_decay_still_ends_at_the_floor():
+    """10 steps, 8 of warmup, half decaying: decay runs over the 2 steps left, from 1.0
+    at step 8 through 0.55 at 9 to 0.1 at 10."""
+    lr = _schedule("wsd", steps=10, warmup_steps=8, wsd_decay_fraction=0.5)
+    np.testing.assert_allclose([lr(4), lr(8), lr(9), lr(10)], [0.5, 1.0, 0.55, 0.1], rtol=1e-6)
+
+
 def test_inverse_sqrt_falls_as_one_over_root_step_down_to_the_floor():
     """peak * sqrt(warmup / step): 1 at 10, 1/2 at 40, 1/4 at 160; never under 0.1."""
     lr = _schedule("inverse_sqrt", steps=2000)
