@@ -18,6 +18,7 @@ SCORE_FNS = ("softmax", "sigmoid")
 MOE_IMPLS = ("auto", "tiled", "ragged_dot", "pallas", "tokamax", "capacity", "dense")
 DTYPES = ("float32", "bfloat16")
 REMAT = ("none", "full", "selective", "offload")  # see moe_jax.model.remat
+QK_NORMS = ("none", "head", "projection")  # see moe_jax.model.attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +30,7 @@ class MoEConfig:
     expert_mlp_dim: int = 128
     num_shared_experts: int = 0
     shared_mlp_dim: int = 128  # width of each shared expert
+    shared_expert_gate: bool = False  # scale the shared experts by sigmoid(x @ w) (Qwen2-MoE)
     score_fn: str = "softmax"
     renormalize: bool = True  # rescale the selected weights to sum to one
     routed_scaling: float = 1.0
@@ -77,6 +79,10 @@ class ModelConfig:
     tie_embeddings: bool = False
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
+    qkv_bias: bool = False  # biases on the query, key and value projections (Qwen2)
+    # RMSNorm on queries and keys before rotary: none, head (over each head, Qwen3) or
+    # projection (over all heads of the projection at once, OLMoE).
+    qk_norm: str = "none"
     dtype: str = "float32"  # compute dtype; parameters are always float32
     remat: str = "none"
     # Per-device attention: xla (stores [s, s] scores), cudnn (GPU flash attention,
@@ -269,6 +275,7 @@ def validate(config: Config) -> None:
     _check(m.head_dim % 2 == 0, "model.head_dim", m.head_dim, "must be even (rotary pairs)")
     _check(m.dtype in DTYPES, "model.dtype", m.dtype, f"valid: {DTYPES}")
     _check(m.remat in REMAT, "model.remat", m.remat, f"valid: {REMAT}")
+    _check(m.qk_norm in QK_NORMS, "model.qk_norm", m.qk_norm, f"valid: {QK_NORMS}")
     _validate_attention_impl(m)
     _check(
         0 <= m.first_k_dense <= m.num_layers,
@@ -297,6 +304,12 @@ def validate(config: Config) -> None:
     _validate_moe_impl(e)
     _check(
         e.num_shared_experts >= 0, "moe.num_shared_experts", e.num_shared_experts, "must be >= 0"
+    )
+    _check(
+        not e.shared_expert_gate or e.num_shared_experts > 0,
+        "moe.shared_expert_gate",
+        e.shared_expert_gate,
+        "gates the shared experts: needs moe.num_shared_experts > 0",
     )
     _check(
         e.capacity_factor >= 0,

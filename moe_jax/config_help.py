@@ -22,6 +22,11 @@ MEANINGS: dict[str, str] = {
     "model.tie_embeddings": "the output head reuses the embedding table",
     "model.rope_theta": "base of the rotary position embedding",
     "model.norm_eps": "epsilon of every RMSNorm",
+    "model.qkv_bias": "biases on the query, key and value projections (Qwen2, Qwen2-MoE)",
+    "model.qk_norm": (
+        "RMSNorm on queries and keys before rotary: `none`, `head` (over each head, Qwen3) "
+        "or `projection` (over the whole projection, OLMoE; needs whole heads per device)"
+    ),
     "model.dtype": "compute dtype, `float32` or `bfloat16`; parameters are always float32",
     "model.remat": (
         "recompute activations in the backward pass: `none`; `full` (each layer keeps only its "
@@ -39,6 +44,7 @@ MEANINGS: dict[str, str] = {
     "moe.expert_mlp_dim": "hidden width of each routed expert",
     "moe.num_shared_experts": "always-on shared experts",
     "moe.shared_mlp_dim": "width of each shared expert",
+    "moe.shared_expert_gate": "scale the shared experts' output by sigmoid(x @ w) (Qwen2-MoE)",
     "moe.score_fn": "router scores: `softmax` or `sigmoid`",
     "moe.renormalize": "rescale the selected weights to sum to one",
     "moe.routed_scaling": "factor on the routed experts' combine weights",

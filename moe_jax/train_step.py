@@ -66,10 +66,13 @@ def learning_rate(cfg: TrainConfig) -> optax.Schedule:
 
 
 def decay_mask(cfg: TrainConfig):
-    """Weight decay on matrices; norm scales and the embedding table as configured."""
+    """Weight decay on matrices; never on biases; norm scales (the q/k norms' too) and
+    the embedding table as configured."""
 
     def decays(path, leaf) -> bool:
         names = {str(getattr(p, "key", getattr(p, "name", ""))) for p in path}
+        if any(name.endswith("_bias") for name in names):
+            return False
         if "scale" in names:
             return cfg.decay_norms
         if "table" in names:

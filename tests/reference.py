@@ -72,5 +72,8 @@ def moe_forward(x, params: dict, bias, cfg: MoEConfig, keep: np.ndarray | None =
         gate = jnp.sum(jnp.where((chosen == e) & keep, weights, 0.0), axis=-1, keepdims=True)
         y = y + gate * swiglu(tokens, params["gate"][e], params["up"][e], params["down"][e])
     if "shared_gate" in params:
-        y = y + swiglu(tokens, params["shared_gate"], params["shared_up"], params["shared_down"])
+        shared = swiglu(tokens, params["shared_gate"], params["shared_up"], params["shared_down"])
+        if "shared_output_gate" in params:  # Qwen2-MoE: scaled by a sigmoid per token
+            shared = shared / (1.0 + jnp.exp(-(tokens @ params["shared_output_gate"])))
+        y = y + shared
     return y.reshape(batch, seq, dim), chosen, keep

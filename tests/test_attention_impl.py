@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding
 from moe_jax.config import Config, ModelConfig
 from moe_jax.kernels import blockwise_attention
 from moe_jax.kernels.attention import attention_fn, resolve_impl
-from moe_jax.model.attention import AXES, AttentionBlock, AttentionWeights
+from moe_jax.model.attention import AXES, AttentionBlock, AttentionWeights, held_axes
 from moe_jax.parallel import mesh as mesh_lib
 from moe_jax.parallel.layout import SINGLE_DEVICE
 from moe_jax.plan import memory
@@ -110,7 +110,7 @@ def _attention_temp_bytes(attention: str, impl: str, s: int) -> int:
     attend = attention_fn(impl, "float32")
 
     def loss(x, positions, weights):
-        out = layout.attention(block, x, positions, weights, AXES, attend)
+        out = layout.attention(block, x, positions, weights, held_axes(weights), attend)
         return jnp.sum(out * out)
 
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 2)))

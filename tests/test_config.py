@@ -43,6 +43,8 @@ BAD_CONFIGS = [
     ("odd_head_dim", {"model.head_dim": 15}, "model.head_dim"),
     ("unknown_dtype", {"model.dtype": "float16"}, "model.dtype"),
     ("unknown_remat", {"model.remat": "partial"}, "model.remat"),
+    ("unknown_qk_norm", {"model.qk_norm": "layer"}, "model.qk_norm"),
+    ("gate_without_shared_experts", {"moe.shared_expert_gate": True}, "moe.shared_expert_gate"),
     ("first_k_dense_over_layers", {"model.first_k_dense": 3}, "model.first_k_dense"),
     ("negative_first_k_dense", {"model.first_k_dense": -1}, "model.first_k_dense"),
     (

@@ -30,13 +30,27 @@ LOGICAL_AXES = {
 }
 
 
-def _naive_attention(x, wq, wk, wv, wo, theta):
-    """Causal GQA written out: complex-number rotary, repeated kv heads, explicit softmax."""
+def _naive_attention(x, wq, wk, wv, wo, theta, biases=None, norms=None, eps=1e-6):
+    """Causal GQA written out: complex-number rotary, repeated kv heads, explicit softmax.
+    `biases` (q, k, v: [heads, head_dim]) are added after the projections; `norms`
+    (q, k scales) RMS-normalise each head ([head_dim]) or the whole projection
+    ([heads, head_dim]) before the rotary."""
     x, wq, wk, wv, wo = (np.asarray(a, np.float64) for a in (x, wq, wk, wv, wo))
     seq = x.shape[1]
     q = np.einsum("bsd,dhk->bshk", x, wq)
     k = np.einsum("bsd,dhk->bshk", x, wk)
     v = np.einsum("bsd,dhk->bshk", x, wv)
+    if biases is not None:
+        q, k, v = (t + np.asarray(b, np.float64) for t, b in zip((q, k, v), biases, strict=True))
+
+    def rms(t, scale):
+        scale = np.asarray(scale, np.float64)
+        flat = t.reshape(*t.shape[:2], -1) if scale.ndim == 2 else t
+        flat = flat / np.sqrt(np.mean(flat**2, axis=-1, keepdims=True) + eps)
+        return flat.reshape(t.shape) * scale
+
+    if norms is not None:
+        q, k = rms(q, norms[0]), rms(k, norms[1])
 
     def rope(t):
         half = t.shape[-1] // 2
@@ -66,6 +80,45 @@ def test_attention_matches_naive_gqa(heads: int, kv_heads: int):
         x, attn.query[...], attn.key[...], attn.value[...], attn.out[...], cfg.rope_theta
     )
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def _randomise(param: nnx.Param, seed: int) -> jax.Array:
+    """Overwrites a zero bias or unit scale with random values, so a bias or norm left
+    out, swapped or applied in the wrong place changes the output."""
+    value = 1.0 + jax.random.normal(jax.random.key(seed), param[...].shape)
+    param[...] = value
+    return value
+
+
+@pytest.mark.parametrize(
+    "qkv_bias,qk_norm", [(True, "none"), (False, "head"), (False, "projection"), (True, "head")]
+)
+def test_attention_biases_and_qk_norms_match_naive(qkv_bias: bool, qk_norm: str):
+    """Qwen2's q/k/v biases, Qwen3's per-head and OLMoE's per-projection q/k RMSNorm,
+    against the written-out block (head_dim 6 != embed / heads, 5 heads over 1 kv head)."""
+    cfg = ModelConfig(
+        embed_dim=20, num_heads=5, num_kv_heads=1, head_dim=6, qkv_bias=qkv_bias, qk_norm=qk_norm
+    )
+    attn = Attention(cfg, rngs=nnx.Rngs(4))
+    x = jax.random.normal(jax.random.key(1), (2, 9, 20))
+    positions = jnp.broadcast_to(jnp.arange(9), (2, 9))
+    biases = norms = None
+    if qkv_bias:
+        biases = [
+            _randomise(p, i)
+            for i, p in enumerate((attn.query_bias, attn.key_bias, attn.value_bias))
+        ]
+    if qk_norm != "none":
+        norms = [
+            _randomise(n.scale, 10 + i) for i, n in enumerate((attn.query_norm, attn.key_norm))
+        ]
+        assert norms[0].shape == ((6,) if qk_norm == "head" else (5, 6))
+    got = attn(x, positions)
+    weights = (attn.query[...], attn.key[...], attn.value[...], attn.out[...])
+    want = _naive_attention(x, *weights, cfg.rope_theta, biases, norms, cfg.norm_eps)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    plain = _naive_attention(x, *weights, cfg.rope_theta)
+    assert not np.allclose(got, plain, atol=1e-3)  # the feature changes the block
 
 
 def test_causality():

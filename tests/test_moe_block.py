@@ -50,8 +50,20 @@ IMPLS = (
 )
 
 
-def _config(case: str, impl: str) -> MoEConfig:
-    cfg = dataclasses.replace(ROUTING_CASES[case], impl=impl, expert_mlp_dim=12, tile_size=4)
+# Qwen2-MoE's shared expert, scaled per token by sigmoid(x @ w): outside the routed
+# experts, so one impl checks it.
+GATED_SHARED = MoEConfig(
+    num_experts=8,
+    top_k=2,
+    renormalize=False,
+    num_shared_experts=1,
+    shared_mlp_dim=20,
+    shared_expert_gate=True,
+)
+
+
+def _config(routing: MoEConfig, impl: str) -> MoEConfig:
+    cfg = dataclasses.replace(routing, impl=impl, expert_mlp_dim=12, tile_size=4)
     if impl == "capacity" and cfg.dropless:
         # Capacity mode that can hold every assignment: the same routing, no drops.
         cfg = dataclasses.replace(cfg, capacity_factor=cfg.num_experts / cfg.top_k)
@@ -68,8 +80,9 @@ def _block(cfg: MoEConfig):
 def _params(block: MoE) -> dict:
     params = {name: getattr(block, name)[...] for name in ("router", "gate", "up", "down")}
     if block.shared is not None:
-        for name in ("gate", "up", "down"):
-            params[f"shared_{name}"] = getattr(block.shared, name)[...]
+        for name in ("gate", "up", "down", "output_gate"):
+            if getattr(block.shared, name) is not None:
+                params[f"shared_{name}"] = getattr(block.shared, name)[...]
     return params
 
 
@@ -86,7 +99,17 @@ def _as_state(template: nnx.State, params: dict) -> nnx.State:
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("case", sorted(ROUTING_CASES))
 def test_block_matches_reference(case: str, impl: str):
-    cfg = _config(case, impl)
+    _check_against_reference(ROUTING_CASES[case], impl)
+
+
+def test_gated_shared_expert_matches_reference():
+    _check_against_reference(GATED_SHARED, "tiled")
+
+
+def _check_against_reference(routing: MoEConfig, impl: str):
+    """Output, gradients of the input and every parameter, expert loads and drops of the
+    block against the reference block."""
+    cfg = _config(routing, impl)
     block = _block(cfg)
     params = _params(block)
     bias = block.bias[...]
@@ -96,7 +119,7 @@ def test_block_matches_reference(case: str, impl: str):
 
     ref_y, chosen, keep = reference.moe_forward(x, params, bias, cfg)
     dropped = 1.0 - keep.mean()
-    if ROUTING_CASES[case].capacity_factor > 0:
+    if routing.capacity_factor > 0:
         assert dropped > 0.05, "capacity cases must really drop assignments"
 
     graphdef, param_state, rest = nnx.split(block, nnx.Param, ...)

@@ -46,8 +46,10 @@ def test_gradient_accumulation_matches_one_big_batch():
 
 @pytest.mark.parametrize("norms,embeddings", [(False, True), (True, False)])
 def test_decay_mask_follows_settings(norms: bool, embeddings: bool):
+    """Norm scales (the q/k norms' among them) and the table as set; biases never."""
     train = dataclasses.replace(SMALL.train, decay_norms=norms, decay_embeddings=embeddings)
-    _, state = init_state(SMALL)
+    model = dataclasses.replace(SMALL.model, qkv_bias=True, qk_norm="head")
+    _, state = init_state(dataclasses.replace(SMALL, model=model))
     mask = decay_mask(train)(state.params)
     flat = {
         "/".join(str(getattr(p, "key", getattr(p, "name", ""))) for p in path): leaf
@@ -56,6 +58,9 @@ def test_decay_mask_follows_settings(norms: bool, embeddings: bool):
     assert all(v == norms for k, v in flat.items() if "scale" in k)
     assert all(v == embeddings for k, v in flat.items() if "table" in k)
     assert all(v for k, v in flat.items() if k.endswith(("gate", "query", "router")))
+    assert sum("query_norm/scale" in k for k in flat) == 1
+    biases = [v for k, v in flat.items() if "_bias" in k]
+    assert len(biases) == 3 and not any(biases)  # q, k, v of the one (MoE) stack
 
 
 @pytest.mark.parametrize("schedule", ["cosine", "linear"])

@@ -11,18 +11,26 @@ from flax import nnx
 from moe_jax.config import ModelConfig
 from moe_jax.kernels.attention import Attend, attention_fn
 from moe_jax.model import remat
-from moe_jax.model.axes import param
-from moe_jax.model.layers import cast_like, rotary
+from moe_jax.model.axes import param, zeros_param
+from moe_jax.model.layers import RMSNorm, cast_like, rms_norm, rotary
 from moe_jax.parallel.layout import SINGLE_DEVICE, Layout
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class AttentionWeights:
+    """The block's weights; the optional ones are None where the model has none."""
+
     query: jax.Array  # [d, h, head_dim]
     key: jax.Array  # [d, kv, head_dim]
     value: jax.Array  # [d, kv, head_dim]
     out: jax.Array  # [h, head_dim, d]
+    query_bias: jax.Array | None = None  # [h, head_dim] (model.qkv_bias)
+    key_bias: jax.Array | None = None  # [kv, head_dim]
+    value_bias: jax.Array | None = None  # [kv, head_dim]
+    # model.qk_norm scales: [head_dim] per head, or [h | kv, head_dim] per projection.
+    query_norm: jax.Array | None = None
+    key_norm: jax.Array | None = None
 
 
 AXES = AttentionWeights(
@@ -30,7 +38,23 @@ AXES = AttentionWeights(
     key=("embed", "kv_heads", "head_dim"),
     value=("embed", "kv_heads", "head_dim"),
     out=("heads", "head_dim", "embed"),
+    query_bias=("heads", "head_dim"),
+    key_bias=("kv_heads", "head_dim"),
+    value_bias=("kv_heads", "head_dim"),
+    query_norm=("heads", "head_dim"),
+    key_norm=("kv_heads", "head_dim"),
 )
+
+
+def held_axes(w: AttentionWeights) -> AttentionWeights:
+    """The logical axes of the weights `w` holds (None where it holds none): a norm
+    scale of one axis is per head, over 'head_dim' only."""
+
+    def names(field: dataclasses.Field):
+        value, full = getattr(w, field.name), getattr(AXES, field.name)
+        return None if value is None else full[len(full) - value.ndim :]
+
+    return AttentionWeights(**{f.name: names(f) for f in dataclasses.fields(AttentionWeights)})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,16 +64,24 @@ class AttentionBlock:
     Calling it runs the whole block; a layout that overlaps its exchanges with the
     projections (`parallel.collective_matmul`) runs the stages apart, on blocks of
     tokens or of heads. Every stage works on whatever heads `w` holds, so a layout can
-    hand it a head shard. Weights arrive as stored (float32) and are cast where they
-    meet `x`, inside the layout, so that their gradients are reduced in float32.
+    hand it a head shard (a per-projection qk norm needs all of them). Weights arrive
+    as stored (float32) and are cast where they meet `x`, inside the layout, so that
+    their gradients are reduced in float32.
     """
 
     theta: float
+    eps: float = 1e-6  # of the query and key norms
 
     def project(self, x: jax.Array, w: AttentionWeights) -> tuple[jax.Array, ...]:
-        """q, k, v of the tokens of `x` (per token, so any block of tokens at a time)."""
+        """q, k, v of the tokens of `x` (per token, so any block of tokens at a time):
+        projection, bias, then the query and key norms."""
         w = cast_like(w, x)
-        return tuple(jnp.einsum("bsd,dhk->bshk", x, p) for p in (w.query, w.key, w.value))
+        q, k, v = (jnp.einsum("bsd,dhk->bshk", x, p) for p in (w.query, w.key, w.value))
+        if w.query_bias is not None:
+            q, k, v = q + w.query_bias, k + w.key_bias, v + w.value_bias
+        if w.query_norm is not None:
+            q, k = rms_norm(q, w.query_norm, self.eps), rms_norm(k, w.key_norm, self.eps)
+        return q, k, v
 
     def rotate(self, q: jax.Array, k: jax.Array, positions: jax.Array) -> tuple[jax.Array, ...]:
         return rotary(q, positions, self.theta), rotary(k, positions, self.theta)
@@ -76,16 +108,33 @@ class Attention(nnx.Module):
         self.key = param(rngs, (d, kv, hd), AXES.key)
         self.value = param(rngs, (d, kv, hd), AXES.value)
         self.out = param(rngs, (h, hd, d), AXES.out, fan_in=h * hd)
-        self.rope_theta = cfg.rope_theta
+        bias = lambda heads, names: zeros_param((heads, hd), names)
+        self.query_bias = bias(h, AXES.query_bias) if cfg.qkv_bias else None
+        self.key_bias = bias(kv, AXES.key_bias) if cfg.qkv_bias else None
+        self.value_bias = bias(kv, AXES.value_bias) if cfg.qkv_bias else None
+        norm = {
+            "head": lambda heads, names: RMSNorm(hd, cfg.norm_eps, names[1:]),
+            "projection": lambda heads, names: RMSNorm((heads, hd), cfg.norm_eps, names),
+        }
+        make_norm = norm.get(cfg.qk_norm)
+        self.query_norm = make_norm(h, AXES.query_norm) if make_norm else None
+        self.key_norm = make_norm(kv, AXES.key_norm) if make_norm else None
+        self.rope_theta, self.norm_eps = cfg.rope_theta, cfg.norm_eps
         self.attention_impl, self.dtype = cfg.attention_impl, cfg.dtype
         self.layout = layout
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        params = (self.query, self.key, self.value, self.out)
-        w = AttentionWeights(*(p[...] for p in params))
-        block = AttentionBlock(self.rope_theta)
+        value = lambda p: None if p is None else p[...]
+        scale = lambda norm: None if norm is None else norm.scale[...]
+        w = AttentionWeights(
+            *(p[...] for p in (self.query, self.key, self.value, self.out)),
+            *(value(p) for p in (self.query_bias, self.key_bias, self.value_bias)),
+            scale(self.query_norm),
+            scale(self.key_norm),
+        )
+        block = AttentionBlock(self.rope_theta, self.norm_eps)
         # Chosen when traced, for the backend it is traced for (a config for another
         # platform can still be built and planned here).
         core = attention_fn(self.attention_impl, self.dtype)
         attend = lambda q, k, v: core(*remat.tag((q, k, v), remat.QKV))
-        return self.layout.attention(block, x, positions, w, AXES, attend)
+        return self.layout.attention(block, x, positions, w, held_axes(w), attend)

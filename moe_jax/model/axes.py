@@ -37,6 +37,10 @@ def ones_param(shape: Sequence[int], names: AxisNames) -> nnx.Param:
     return _tagged(jnp.ones(tuple(shape), jnp.float32), names)
 
 
+def zeros_param(shape: Sequence[int], names: AxisNames) -> nnx.Param:
+    return _tagged(jnp.zeros(tuple(shape), jnp.float32), names)
+
+
 def _tagged(value: jax.Array, names: AxisNames) -> nnx.Param:
     # Placement is applied later by moe_jax.parallel, so no eager sharding here.
     return nnx.Param(value, out_sharding=names, eager_sharding=False)

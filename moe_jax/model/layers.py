@@ -32,17 +32,24 @@ def cast_like(weights, x: jax.Array):
     return jax.tree.map(cast, weights)
 
 
-class RMSNorm(nnx.Module):
-    """Root-mean-square norm, computed in float32 whatever the compute dtype."""
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """Root-mean-square norm over the trailing `scale.ndim` axes of `x`, in float32
+    whatever the compute dtype (a [heads, head_dim] scale normalises whole projections)."""
+    axes = tuple(range(-scale.ndim, 0))
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=axes, keepdims=True) + eps)
+    return (x32 * scale).astype(x.dtype)
 
-    def __init__(self, dim: int, eps: float):
-        self.scale = ones_param((dim,), ("embed",))
+
+class RMSNorm(nnx.Module):
+    """Root-mean-square norm with a learned scale over the trailing axes `names` name."""
+
+    def __init__(self, dim: int | tuple[int, ...], eps: float, names=("embed",)):
+        self.scale = ones_param((dim,) if isinstance(dim, int) else dim, names)
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (x32 * self.scale[...]).astype(x.dtype)
+        return rms_norm(x, self.scale[...], self.eps)
 
 
 class Embed(nnx.Module):
@@ -89,15 +96,47 @@ def mlp_block(x: jax.Array, w: MLPWeights) -> jax.Array:
     return remat.tag((jax.nn.silu(gate) * up) @ w.down, remat.FC2)
 
 
-class MLP(nnx.Module):
-    """SwiGLU feed-forward: down(silu(x @ gate) * (x @ up))."""
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GatedMLPWeights:
+    mlp: MLPWeights
+    output_gate: jax.Array  # [d, 1]
 
-    def __init__(self, dim: int, hidden: int, *, rngs: nnx.Rngs, layout: Layout = SINGLE_DEVICE):
+
+GATED_MLP_AXES = GatedMLPWeights(mlp=MLP_AXES, output_gate=("embed", None))
+
+
+def gated_mlp_block(x: jax.Array, w: GatedMLPWeights) -> jax.Array:
+    """SwiGLU scaled per token by sigmoid(x @ output_gate) (Qwen2-MoE's shared expert).
+    The scale is per token, so it commutes with a layout's partial sums over columns."""
+    scale = jax.nn.sigmoid(x @ cast_like(w.output_gate, x))
+    return scale * mlp_block(x, w.mlp)
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward: down(silu(x @ gate) * (x @ up)), optionally scaled per token
+    by an output gate."""
+
+    def __init__(
+        self,
+        dim: int,
+        hidden: int,
+        *,
+        rngs: nnx.Rngs,
+        layout: Layout = SINGLE_DEVICE,
+        output_gate: bool = False,
+    ):
         self.gate = param(rngs, (dim, hidden), MLP_AXES.gate)
         self.up = param(rngs, (dim, hidden), MLP_AXES.up)
         self.down = param(rngs, (hidden, dim), MLP_AXES.down)
+        self.output_gate = (
+            param(rngs, (dim, 1), GATED_MLP_AXES.output_gate) if output_gate else None
+        )
         self.layout = layout
 
     def __call__(self, x: jax.Array) -> jax.Array:
         w = MLPWeights(*(p[...] for p in (self.gate, self.up, self.down)))
-        return self.layout.mlp(mlp_block, x, w, MLP_AXES)
+        if self.output_gate is None:
+            return self.layout.mlp(mlp_block, x, w, MLP_AXES)
+        gated = GatedMLPWeights(w, self.output_gate[...])
+        return self.layout.mlp(gated_mlp_block, x, gated, GATED_MLP_AXES)

@@ -117,7 +117,10 @@ class MoE(nnx.Module):
         self.up = param(rngs, (e, dim, f), experts.AXES.up, fan_in=dim)
         self.down = param(rngs, (e, f, dim), experts.AXES.down, fan_in=f)
         shared = cfg.num_shared_experts * cfg.shared_mlp_dim
-        self.shared = MLP(dim, shared, rngs=rngs, layout=layout) if shared else None
+        gated = cfg.shared_expert_gate
+        self.shared = (
+            MLP(dim, shared, rngs=rngs, layout=layout, output_gate=gated) if shared else None
+        )
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, MoEStats]:
         weights = experts.ExpertWeights(self.gate[...], self.up[...], self.down[...])

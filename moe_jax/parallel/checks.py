@@ -51,3 +51,16 @@ def split_widths(config: Config, size: int, what: str) -> list[str]:
         for key, width in dense_widths(config).items()
         if width % size
     ]
+
+
+def whole_projections(config: Config, size: int, what: str) -> list[str]:
+    """model.qk_norm='projection' normalises over all heads of a projection at once, so
+    a layout that projects a head shard per device (over `size` > 1 devices) cannot run
+    it; the per-head norm splits like the heads."""
+    if config.model.qk_norm != "projection" or size == 1:
+        return []
+    return [
+        f"model.qk_norm='projection' needs every head of a projection on one device, which "
+        f"{what} splits; use parallel.attention='sp' or 'fsdp' without "
+        "parallel.collective_matmul, or model.qk_norm='head'"
+    ]

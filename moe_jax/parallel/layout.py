@@ -59,6 +59,18 @@ def split_size(entry, sizes) -> int:
     return math.prod(sizes[a] for a in axes_of(entry))
 
 
+def take_along(weights, axes, name: str, start, size: int):
+    """`weights` with each dimension whose logical axis is `name` cut to
+    [start, start + size): one device's heads out of whole attention weights."""
+
+    def take(w: jax.Array, names: tuple) -> jax.Array:
+        if name not in names:
+            return w
+        return jax.lax.dynamic_slice_in_dim(w, start, size, axis=names.index(name))
+
+    return jax.tree.map(take, weights, axes, is_leaf=lambda t: isinstance(t, tuple))
+
+
 # Set while the step is traced inside one shard_map over the whole mesh
 # (`moe_jax.parallel.grad_exchange`): every array is then already per device, so each
 # block's own shard_map becomes a plain call of its body.

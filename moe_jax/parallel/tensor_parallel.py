@@ -14,7 +14,6 @@ head its query heads use, as Megatron replicates kv heads.
 
 from __future__ import annotations
 
-import dataclasses
 from fractions import Fraction
 
 import jax
@@ -23,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 from moe_jax.model.layers import cast_like
 from moe_jax.parallel import checks
 from moe_jax.parallel import collective_matmul as cm
-from moe_jax.parallel.layout import DATA, INTRA, TOKEN_EXCHANGE
+from moe_jax.parallel.layout import DATA, INTRA, TOKEN_EXCHANGE, take_along
 from moe_jax.parallel.spec import AttentionSpec, Sizes
 
 
@@ -37,11 +36,11 @@ def _sum_and_scatter_sequence(x: jax.Array) -> jax.Array:
         return jax.lax.psum_scatter(x, INTRA, scatter_dimension=1, tiled=True)
 
 
-def _my_kv_head(weights, n: int):
-    """The one kv head this device's query heads use, out of whole kv weights."""
+def _my_kv_head(weights, axes, n: int):
+    """The one kv head this device's query heads use (with its biases and norm scale),
+    out of whole kv weights."""
     index = jax.lax.axis_index(INTRA) * weights.key.shape[1] // n
-    take = lambda w: jax.lax.dynamic_slice_in_dim(w, index, 1, axis=1)
-    return dataclasses.replace(weights, key=take(weights.key), value=take(weights.value))
+    return take_along(weights, axes, "kv_heads", index, 1)
 
 
 def tp_attention(layout, block, x, positions, weights, axes, attend):
@@ -51,7 +50,7 @@ def tp_attention(layout, block, x, positions, weights, axes, attend):
 
     def body(x, positions, weights):
         if whole_kv:
-            weights = _my_kv_head(weights, n)
+            weights = _my_kv_head(weights, axes, n)
         if not layout.collective_matmul:
             out = block(_gather_sequence(x), positions, weights, attend)
             return _sum_and_scatter_sequence(out)
@@ -97,8 +96,10 @@ def _rules(config) -> tuple:
 def _problems(config) -> list[str]:
     n = config.parallel.intra
     what = f"parallel.intra={n} for parallel.attention='tp'"
-    return checks.split_heads(config, n, what, splits_sequence=True) + checks.split_widths(
-        config, n, what
+    return (
+        checks.split_heads(config, n, what, splits_sequence=True)
+        + checks.split_widths(config, n, what)
+        + checks.whole_projections(config, n, what)
     )
 
 

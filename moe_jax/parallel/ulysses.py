@@ -27,7 +27,7 @@ from moe_jax.model.layers import cast_like
 from moe_jax.parallel import checks
 from moe_jax.parallel import collective_matmul as cm
 from moe_jax.parallel.fp8_exchange import token_collective, wire_bytes
-from moe_jax.parallel.layout import CHUNK, DATA, INTRA, TOKEN_EXCHANGE, local_mlp
+from moe_jax.parallel.layout import CHUNK, DATA, INTRA, TOKEN_EXCHANGE, local_mlp, take_along
 from moe_jax.parallel.spec import AttentionSpec, Sizes
 
 
@@ -39,29 +39,24 @@ def _heads_to_seq(x: jax.Array) -> jax.Array:
     return jax.lax.all_to_all(x, INTRA, split_axis=1, concat_axis=2, tiled=True)
 
 
-def _heads_for(weights, dest: jax.Array, n: int):
+def _heads_for(weights, axes, dest: jax.Array, n: int):
     """The query heads of device `dest` and the kv heads they use (repeated kv heads
-    when there are fewer than n)."""
+    when there are fewer than n), with their biases and norm scales."""
     heads, kv = weights.query.shape[1], weights.key.shape[1]
-    take = lambda w, start, size: jax.lax.dynamic_slice_in_dim(w, start, size, axis=1)
     per, kv_per = heads // n, max(1, kv // n)
     kv_start = dest * kv_per if kv >= n else dest * kv // n
-    return dataclasses.replace(
-        weights,
-        query=take(weights.query, dest * per, per),
-        key=take(weights.key, kv_start, kv_per),
-        value=take(weights.value, kv_start, kv_per),
-    )
+    weights = take_along(weights, axes, "heads", dest * per, per)
+    return take_along(weights, axes, "kv_heads", kv_start, kv_per)
 
 
-def _pairwise_attention(block, x, positions, weights, attend, n: int, wrap):
+def _pairwise_attention(block, x, positions, weights, axes, attend, n: int, wrap):
     """The block with each all-to-all as n-1 pairwise steps: device dest's QKV GEMM runs
     while the previous device's block travels, and each arriving output block's GEMM
     while the next one travels."""
     weights = cast_like(weights, x)
 
     def qkv_for(dest):  # one buffer per step: q, k and v side by side over heads
-        q, k, v = block.project(x, _heads_for(weights, dest, n))
+        q, k, v = block.project(x, _heads_for(weights, axes, dest, n))
         return jnp.concatenate((*block.rotate(q, k, positions), v), axis=2)
 
     got = cm.pairwise_all_to_all(qkv_for, n, wrap)
@@ -95,7 +90,7 @@ def ulysses_attention(layout, block, x, positions, weights, axes, attend):
 
     def body(x, positions, weights):
         if layout.collective_matmul:
-            return _pairwise_attention(block, x, positions, weights, attend, n, wrap)
+            return _pairwise_attention(block, x, positions, weights, axes, attend, n, wrap)
         return block(x, positions, weights, exchange_and_attend)
 
     chunks = layout.overlap_chunks
@@ -118,7 +113,11 @@ def ulysses_attention(layout, block, x, positions, weights, axes, attend):
 def _problems(config) -> list[str]:
     n = config.parallel.intra
     what = f"parallel.intra={n} for parallel.attention='sp'"
-    return checks.split_heads(config, n, what, splits_sequence=True)
+    ring = n if config.parallel.collective_matmul else 1  # projects one head shard a step
+    ring_what = f"{what} with parallel.collective_matmul"
+    return checks.split_heads(config, n, what, splits_sequence=True) + checks.whole_projections(
+        config, ring, ring_what
+    )
 
 
 def exchanged_bytes(config, s: Sizes) -> Fraction:
