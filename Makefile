@@ -39,10 +39,23 @@ $(VENV)/.dev: $(VENV)/.runtime requirements-dev.txt
 	$(PY) -m pip install --quiet -r requirements-dev.txt
 	touch $@
 
+# The transformers side of the parity tests: Python 3.11, where torch's CPU wheel is a
+# small download (requirements-hf.txt says why). The first working candidate is used.
+HF_VENV := .venv-hf
+HF_PY_CHECK := -c 'import sys; assert sys.version_info[:2] == (3, 11)'
+HF_CANDIDATES = python3.11 python3 $$(for root in "$$(pyenv root 2>/dev/null)" "$$HOME/.pyenv"; \
+  do ls -d "$$root"/versions/3.11*/bin/python 2>/dev/null; done)
+$(HF_VENV)/.ready: requirements-hf.txt
+	rm -rf $(HF_VENV)
+	@for p in $(HF_CANDIDATES); do "$$p" $(HF_PY_CHECK) 2>/dev/null && exec "$$p" -m venv $(HF_VENV); \
+	  done; echo "the parity tests need Python 3.11 (e.g. pyenv install 3.11)"; exit 1
+	$(HF_VENV)/bin/python -m pip install --quiet -r requirements-hf.txt
+	touch $@
+
 train: $(VENV)/.runtime
 	$(PY) -m moe_jax.train
 
-test: $(VENV)/.dev
+test: $(VENV)/.dev $(HF_VENV)/.ready
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -n 2 --dist loadfile --durations=15
@@ -58,4 +71,4 @@ bench: $(VENV)/.runtime
 	$(PY) bench/moe_layer.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(HF_VENV) .pytest_cache .ruff_cache

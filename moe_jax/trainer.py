@@ -232,7 +232,8 @@ def _train(config, workdir: Path, layout, graphdef, placed, checkpoints, train_b
     restored = checkpoints.restore_newest(placed, say)
     if restored is not None:
         start, state, data_state = restored
-        train_batches.set_state(data_state)
+        if data_state:  # an imported checkpoint (step 0) has read no data yet
+            train_batches.set_state(data_state)
         say(f"resumed from {checkpoints.directory / str(start)}")
     else:
         try:

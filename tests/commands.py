@@ -1,4 +1,4 @@
-"""The five command lines as a user types them, and one way to run them in a subprocess
+"""The six command lines as a user types them, and one way to run them in a subprocess
 (one CPU device, from a directory of the test's choosing)."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ COMMANDS = {
     "comm_report": ["-m", "moe_jax.tools.comm_report"],
     "prepare": ["-m", "moe_jax.data.prepare"],
     "launch": [str(ROOT / "launch" / "local.py")],
+    "convert": ["-m", "moe_jax.convert"],
 }
 CONFIG_COMMANDS = ("train", "plan", "comm_report")  # those that take --config flags
 

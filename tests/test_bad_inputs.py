@@ -453,6 +453,22 @@ CASES = [
     ),
     _c("launch_no_processes", "launch", ["-n", "0"], "-n=0"),
     _c("launch_processes_not_a_number", "launch", ["-n", "abc"], "-n: invalid int value: 'abc'"),
+    # convert: the command and its directories (the checkpoint's own damage: test_hf_convert)
+    _c("convert_no_command", "convert", ["--hf={root}/hf", WORKDIR], "give one command"),
+    _c("convert_import_no_hf", "convert", ["import", WORKDIR], "import needs --hf=DIR"),
+    _c(
+        "convert_import_no_config_json",
+        "convert",
+        ["import", "--hf={root}/hf", WORKDIR],
+        "hf: no config.json",
+        setup=lambda p: (p.root / "hf").mkdir(),
+    ),
+    _c(
+        "convert_export_not_a_run",
+        "convert",
+        ["export", "--workdir={root}", "--hf={root}/out"],
+        "no config.json (not a moe_jax run directory)",
+    ),
     _c(
         "launch_missing_config",
         "launch",

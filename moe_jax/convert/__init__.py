@@ -1,0 +1,1 @@
+"""Hugging Face checkpoints in and out: `python -m moe_jax.convert import|export`."""

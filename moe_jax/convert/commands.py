@@ -1,0 +1,132 @@
+"""`import` and `export`, as functions of paths and a plan (the command line is
+`moe_jax.convert.__main__`). Every check that can refuse runs before anything is
+written; what is written is complete or absent."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from moe_jax import config as config_lib
+from moe_jax import saved_run
+from moe_jax.checkpoint import Checkpointer
+from moe_jax.convert import families, hf_export, hf_import
+from moe_jax.train_step import TrainState, make_optimizer
+
+CONFIG_FILE = '''"""{architecture} imported from {source} by `python -m moe_jax.convert import`.
+
+Train from it with `python -m moe_jax.train --config={config} --workdir={workdir}`
+(resumes its step 0: a fine-tune), or start another run from its weights with
+`--config.train.init_from={workdir}`.
+"""
+
+from moe_jax.config import Config, ModelConfig, MoEConfig, to_config_dict
+
+
+def get_config():
+    return to_config_dict(
+        Config(
+            model=ModelConfig(**{model!r}),
+            moe=MoEConfig(**{moe!r}),
+        )
+    )
+'''
+
+
+def _refuse_used(directory: Path, flag: str) -> None:
+    if directory.exists() and any(directory.iterdir()):
+        raise ValueError(f"{flag}={directory} is not empty; nothing is overwritten: use a new one")
+
+
+def fresh_state(config: config_lib.Config, params, biases_like) -> TrainState:
+    """Step 0 of a run from `params`: a new optimizer state and router biases of zero
+    (shaped as `biases_like`)."""
+    opt_state = make_optimizer(config.train).init(params)
+    rng = jax.random.key_data(jax.random.key(config.train.seed))
+    zeros = jax.tree.map(lambda b: jnp.zeros(b.shape, b.dtype), biases_like)
+    return TrainState(jnp.zeros((), jnp.int32), params, zeros, opt_state, rng)
+
+
+def import_hf(hf_dir: Path, workdir: Path, base: config_lib.Config) -> config_lib.Config:
+    """`hf_dir` into `workdir` as a run at step 0 under `base`'s plan and training
+    settings (its model and moe sections come from the checkpoint); returns the config."""
+    _refuse_used(workdir, "--workdir")
+    family, arch, _ = hf_import.read_hf_config(hf_dir)
+    keep = {k: getattr(base.model, k) for k in ("dtype", "remat", "attention_impl")}
+    model = dataclasses.replace(arch.model, **keep)
+    moe = dataclasses.replace(arch.moe, impl=base.moe.impl, tile_size=base.moe.tile_size)
+    config = config_lib.load(dataclasses.asdict(dataclasses.replace(base, model=model, moe=moe)))
+    if config.parallel.stages > 1:
+        raise ValueError(
+            "parallel.stages > 1: import with an unpipelined plan; the checkpoint it writes "
+            "is canonical and any run (pipelined or not) restores it"
+        )
+    config, _, _, like = saved_run.placed(config, config.parallel)
+    shardings = jax.tree.map(lambda x: x.sharding, like)
+    params = hf_import.load_params(hf_dir, family, config, like.params, shardings.params)
+    start = jax.jit(lambda p: fresh_state(config, p, like.biases), out_shardings=shardings)
+    state = start(params)
+    settings = dataclasses.asdict(config)
+    # Written next to the workdir, then moved in whole: a failure leaves nothing behind.
+    workdir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{workdir.name}.", dir=workdir.parent))
+    try:
+        checkpoints = Checkpointer(staging / "checkpoints", config.train.keep_checkpoints)
+        checkpoints.save(0, state, {}, settings)
+        checkpoints.close()
+        (staging / "config.json").write_text(json.dumps(settings, indent=2) + "\n")
+        config_py = staging / "config.py"
+        config_py.write_text(
+            CONFIG_FILE.format(
+                architecture=family.architecture,
+                source=hf_dir,
+                config=workdir / "config.py",
+                workdir=workdir,
+                model=dataclasses.asdict(arch.model),
+                moe=dataclasses.asdict(arch.moe),
+            )
+        )
+        if workdir.exists():
+            workdir.rmdir()  # empty, checked above
+        staging.rename(workdir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return config
+
+
+def export_hf(
+    workdir: Path,
+    hf_dir: Path,
+    parallel: config_lib.ParallelConfig,
+    architecture: str | None,
+    dtype: str,
+    shard_gb: float,
+) -> tuple[families.Family, int, list[str]]:
+    """The newest checkpoint of the run in `workdir` as a Hugging Face checkpoint in
+    `hf_dir`; returns (family, step, shard files)."""
+    if jax.process_count() > 1:
+        raise ValueError("export runs in one process (it writes every tensor itself)")
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"--dtype={dtype!r} is invalid; valid: 'float32', 'bfloat16'")
+    _refuse_used(hf_dir, "--hf")
+    family = families.family_for(saved_run.saved_config(workdir), architecture)
+    config, _, _, step, state = saved_run.restore(workdir, parallel)
+    hf_export.check_biases(state.biases)
+    hf_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{hf_dir.name}.", dir=hf_dir.parent))
+    try:
+        shards = hf_export.export(family, config, state.params, staging, dtype, shard_gb)
+        if hf_dir.exists():
+            hf_dir.rmdir()
+        staging.rename(hf_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return family, step, shards

@@ -1,0 +1,151 @@
+"""A Hugging Face checkpoint into moe_jax parameters, placed straight into a plan's
+shardings: each device shard is assembled from the tensors it covers (one layer's,
+or one expert's, at a time) and sent to its devices, so no parameter is ever whole in
+host memory, let alone the model."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from moe_jax.config import Config
+from moe_jax.convert import families
+from moe_jax.convert.families import Family, Tensors
+from moe_jax.convert.safetensors_files import SafetensorsDir
+
+
+def read_hf_config(directory: Path) -> tuple[Family, Config, dict[str, Any]]:
+    """(family, moe_jax architecture, the raw config.json) of a checkpoint directory."""
+    path = directory / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{directory}: no config.json (a Hugging Face checkpoint directory)")
+    hf = json.loads(path.read_text())
+    family, config = families.to_config(hf, str(directory))
+    return family, config, hf
+
+
+def block_of(config: Config, layer: int) -> tuple[str, int, int, bool]:
+    """(stack, unit, block in unit, is MoE) of model layer `layer` (`Transformer`'s
+    dense prefix, then units of moe_every - 1 dense blocks and one MoE block)."""
+    m = config.model
+    if layer < m.first_k_dense:
+        return "dense", layer, 0, False
+    unit, block = divmod(layer - m.first_k_dense, m.moe_every)
+    return "moe", unit, block, block == m.moe_every - 1
+
+
+def sources(family: Family, config: Config, fused: set[int]) -> dict[str, Any]:
+    """moe_jax parameter path -> its `Tensors`: one for an unstacked parameter, a list
+    over units for a stacked one, a list over units of lists over experts for experts.
+    `fused`: the layers whose experts are stored fused."""
+    out: dict[str, Any] = dict(families.global_tensors(config))
+    for layer in range(config.model.num_layers):
+        stack, unit, block, moe = block_of(config, layer)
+        tensors = families.layer_tensors(family, config, layer, moe)
+        if layer in fused:
+            tensors.update(families.fused_expert_tensors(config, layer))
+        for name, t in tensors.items():
+            name, _, expert = name.partition("@")
+            units = out.setdefault(f"{stack}/units/blocks/{block}/{name}", [])
+            if unit == len(units):
+                units.append([] if expert else t)
+            if expert:
+                units[unit].append(t)
+    return out
+
+
+def _all_tensors(tree) -> list[Tensors]:
+    if isinstance(tree, Tensors):
+        return [tree]
+    return [t for item in tree for t in _all_tensors(item)]
+
+
+def param_paths(params) -> dict[str, Any]:
+    """'moe/units/blocks/0/attn/query' -> leaf, for an nnx.State of parameters."""
+    flat = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        # A Variable's own field (`.value`) is an attribute key; names are dict keys.
+        keys = [str(getattr(k, "key", getattr(k, "idx", ""))) for k in path]
+        flat["/".join(k for k in keys if k)] = leaf
+    return flat
+
+
+def check_tensors(stored: dict[str, tuple[int, ...]], wanted: dict[str, Any], where: str):
+    """One line for the first tensor that is missing, of the wrong shape, or left over
+    (every tensor of the source must be consumed), before anything is read or written."""
+    need: dict[str, tuple[int, ...]] = {}
+    for tree in wanted.values():
+        for t in _all_tensors(tree):
+            need.update(t.shapes)
+    missing = sorted(set(need) - set(stored))
+    if missing:
+        raise ValueError(f"{where}: tensor {missing[0]} is missing ({len(missing)} missing)")
+    for name, shape in need.items():
+        if tuple(stored[name]) != tuple(shape):
+            raise ValueError(
+                f"{where}: tensor {name} has shape {list(stored[name])}, expected {list(shape)}"
+            )
+    left = sorted(n for n in set(stored) - set(need) if not n.endswith(families.IGNORED_SUFFIXES))
+    if left:
+        raise ValueError(
+            f"{where}: tensor {left[0]} is not used by the {len(wanted)} parameters it maps "
+            f"to ({len(left)} left over)"
+        )
+
+
+def _fused_layers(stored: dict[str, tuple[int, ...]], config: Config) -> set[int]:
+    return {
+        i
+        for i in range(config.model.num_layers)
+        if f"model.layers.{i}.mlp.experts.gate_up_proj" in stored
+    }
+
+
+def _block(source, read, index: tuple[slice, ...]) -> np.ndarray:
+    """The part `index` of one parameter, built from the tensors it covers."""
+    if isinstance(source, Tensors):
+        return read(source)[index]
+    picks = range(len(source))[index[0]]
+    return np.stack([_block(source[i], read, index[1:]) for i in picks])
+
+
+def _placed(leaf, sharding, source, read) -> jax.Array:
+    """One parameter in `sharding`: each distinct device shard built once, sent to every
+    device that holds it, then dropped from host memory."""
+    by_index: dict[tuple, list] = {}
+    for device, index in sharding.addressable_devices_indices_map(leaf.shape).items():
+        key = tuple(s.indices(n) for s, n in zip(index, leaf.shape, strict=True))
+        by_index.setdefault(key, [index, []])[1].append(device)
+    arrays = []
+    for index, devices in by_index.values():
+        block = _block(source, read, index).astype(leaf.dtype)
+        arrays += [jax.device_put(block, device) for device in devices]
+    return jax.make_array_from_single_device_arrays(leaf.shape, sharding, arrays)
+
+
+def load_params(directory: Path, family: Family, config: Config, abstract, shardings):
+    """The parameters of the checkpoint in `directory`, laid out as `abstract` (an
+    nnx.State of shapes) in `shardings`. One line for a missing shard, tensor, a wrong
+    shape or a tensor left over, before any tensor is read."""
+    stored = SafetensorsDir(directory)
+    wanted = sources(family, config, _fused_layers(stored.shapes, config))
+    leaves, places = param_paths(abstract), param_paths(shardings)
+    unmapped = sorted(set(leaves) - set(wanted))
+    if unmapped:
+        raise ValueError(f"{directory}: no tensor maps to parameter {unmapped[0]}")
+    check_tensors(stored.shapes, wanted, str(directory))
+
+    @functools.lru_cache(maxsize=16)  # shards of one parameter share their tensors
+    def read(t: Tensors) -> np.ndarray:
+        return np.asarray(t.read(stored.get), np.float32)
+
+    placed = {
+        path: _placed(leaf, places[path], wanted[path], read) for path, leaf in leaves.items()
+    }
+    flat = [placed[path] for path in param_paths(abstract)]
+    return jax.tree.unflatten(jax.tree.structure(abstract), flat)

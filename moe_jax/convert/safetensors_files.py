@@ -1,0 +1,110 @@
+"""A Hugging Face checkpoint directory's `*.safetensors` shards, read lazily, and sharded
+writing of new ones. Only headers are read up front; a tensor (or a slice of it, such
+as one expert of a fused [E, ...] tensor) is read when asked for, so a model never
+sits whole in host memory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from safetensors import safe_open
+from safetensors.flax import save_file
+
+INDEX = "model.safetensors.index.json"
+
+
+class Lazy:
+    """One stored tensor; indexing reads just that part, as float32 numpy."""
+
+    def __init__(self, handle, name: str):
+        self._slice = handle.get_slice(name)
+
+    def __getitem__(self, key) -> np.ndarray:
+        if key is Ellipsis:
+            key = slice(None)
+        return np.asarray(self._slice[key], np.float32)
+
+
+class SafetensorsDir:
+    """The tensors of a checkpoint directory: by `model.safetensors.index.json` when
+    there is one (every shard it names must exist), else every `*.safetensors` file."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        index = directory / INDEX
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+            missing = [f for f in files if not (directory / f).exists()]
+            if missing:
+                raise ValueError(
+                    f"{directory}: shard {missing[0]} named by {INDEX} is missing "
+                    f"({len(missing)} of {len(files)} shards missing)"
+                )
+        else:
+            files = sorted(p.name for p in directory.glob("*.safetensors"))
+            if not files:
+                raise ValueError(f"{directory}: no *.safetensors files and no {INDEX}")
+        cpu = jax.devices("cpu")[0]  # read into host memory, never onto an accelerator
+        self._handles: dict[str, Any] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        with jax.default_device(cpu):
+            for name in files:
+                handle = safe_open(str(directory / name), framework="flax")
+                for key in handle.keys():  # noqa: SIM118 (a safe_open handle, not a dict)
+                    self._handles[key] = handle
+                    self.shapes[key] = tuple(handle.get_slice(key).get_shape())
+
+    def get(self, name: str) -> Lazy:
+        with jax.default_device(jax.devices("cpu")[0]):
+            return Lazy(self._handles[name], name)
+
+
+def write_shards(
+    tensors, directory: Path, max_shard_bytes: int, dtype: str
+) -> tuple[list[str], dict[str, str]]:
+    """Writes (name, numpy array) pairs as it receives them into shards of at most
+    `max_shard_bytes` (a tensor larger than that gets a shard of its own) with the
+    metadata transformers requires ({'format': 'pt'}), then the index; returns the shard
+    files and the weight map."""
+    directory.mkdir(parents=True, exist_ok=True)
+    cast = jax.numpy.dtype(dtype)
+    pending: dict[str, Any] = {}
+    pending_bytes, written, weight_map = 0, [], {}
+
+    def flush() -> None:
+        nonlocal pending, pending_bytes
+        if not pending:
+            return
+        name = f"model-{len(written) + 1:05d}.safetensors"
+        with jax.default_device(jax.devices("cpu")[0]):
+            arrays = {k: jax.numpy.asarray(v, cast) for k, v in pending.items()}
+            save_file(arrays, str(directory / name), metadata={"format": "pt"})
+        written.append(name)
+        weight_map.update({k: name for k in pending})
+        pending, pending_bytes = {}, 0
+
+    total = 0
+    for name, array in tensors:
+        size = array.size * cast.itemsize
+        if pending and pending_bytes + size > max_shard_bytes:
+            flush()
+        pending[name] = array
+        pending_bytes += size
+        total += size
+    flush()
+    # Shards are named -0000i-of-0000n by transformers; renamed once n is known.
+    count = len(written)
+    renamed = {}
+    for i, name in enumerate(written, 1):
+        final = f"model-{i:05d}-of-{count:05d}.safetensors"
+        (directory / name).rename(directory / final)
+        renamed[name] = final
+    weight_map = {k: renamed[v] for k, v in sorted(weight_map.items())}
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    return [renamed[n] for n in written], weight_map

@@ -1,0 +1,231 @@
+"""Hugging Face checkpoints in and out, against transformers itself.
+
+Each family's tiny random model is built by transformers (`tests/hf_reference.py`, in
+the Python 3.11 environment `make test` builds, .venv-hf) with dimensions that are
+never square and norms, biases and routers re-randomised, so a swapped or transposed
+tensor cannot pass. moe_jax imports it (8 forced CPU devices) and must give the same
+logits within 1e-4 in float32 and route every token of every MoE layer to the same
+experts; the export must load in `from_pretrained` and give them again; import ->
+export -> import is bit-identical; the fused expert layout imports to the same bits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+from functools import cache
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import save_file
+
+from moe_jax import config as config_lib
+from moe_jax import saved_run
+from moe_jax.convert import commands
+from moe_jax.convert.hf_import import param_paths
+from moe_jax.parallel import mesh as mesh_lib
+from tests.commands import ROOT, run_command
+
+HF_PYTHON = ROOT / ".venv-hf" / "bin" / "python"
+MOE = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+DENSE = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+DATA_PARALLEL = config_lib.ParallelConfig()  # all 8 test devices over data
+SP_EP = config_lib.ParallelConfig(attention="sp", experts="ep_a2a", data=2, intra=4)
+
+pytestmark = pytest.mark.skipif(
+    not HF_PYTHON.exists(), reason="needs .venv-hf (make test builds it: requirements-hf.txt)"
+)
+
+
+def _hf(*args: str) -> None:
+    run = subprocess.run(
+        [str(HF_PYTHON), str(ROOT / "tests" / "hf_reference.py"), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
+@cache
+def _built(architecture: str, root: Path) -> Path:
+    out = root / architecture
+    _hf("build", architecture, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    return lambda architecture: _built(architecture, root)
+
+
+def _import(hf: Path, workdir: Path, parallel=DATA_PARALLEL) -> config_lib.Config:
+    return commands.import_hf(
+        hf, workdir, dataclasses.replace(config_lib.Config(), parallel=parallel)
+    )
+
+
+def _outputs(workdir: Path, tokens: np.ndarray, parallel=DATA_PARALLEL):
+    """Logits and per-layer expert loads of the run in `workdir` on `tokens`, under
+    `parallel`'s plan."""
+    config, layout, graphdef, _, state = saved_run.restore(workdir, parallel)
+    model = nnx.merge(graphdef, state.params, state.biases)
+    tokens = jax.device_put(tokens.astype(np.int32), mesh_lib.batch_sharding(layout))
+    logits, stats = jax.jit(lambda t: model(t))(tokens)
+    load = None if stats is None else np.asarray(stats.load)
+    return config, np.asarray(logits), load
+
+
+def _assert_matches(reference: dict, config, logits: np.ndarray, load) -> None:
+    np.testing.assert_allclose(logits, reference["logits"], rtol=0, atol=1e-4)
+    if "chosen" in reference:
+        chosen = reference["chosen"]  # [moe layers, tokens, k], transformers' own top-k
+        counts = [np.bincount(c.reshape(-1), minlength=config.moe.num_experts) for c in chosen]
+        np.testing.assert_array_equal(load, np.stack(counts))
+
+
+def _params(workdir: Path) -> dict[str, np.ndarray]:
+    *_, state = saved_run.restore(workdir, DATA_PARALLEL)
+    return {k: np.asarray(v) for k, v in param_paths(state.params).items()}
+
+
+def _assert_identical(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].dtype == b[name].dtype and np.array_equal(a[name], b[name]), name
+
+
+@pytest.mark.parametrize("architecture", MOE + DENSE)
+def test_imported_model_gives_transformers_logits_and_expert_choices(
+    built, tmp_path, architecture: str
+):
+    source = built(architecture)
+    reference = dict(np.load(source / "reference.npz"))
+    _import(source / "hf", tmp_path / "run")
+    _assert_matches(reference, *_outputs(tmp_path / "run", reference["tokens"]))
+    if architecture in MOE:  # the fused expert layout imports to the same bits
+        _import(source / "hf_fused", tmp_path / "fused")
+        _assert_identical(_params(tmp_path / "run"), _params(tmp_path / "fused"))
+
+
+@pytest.mark.parametrize("architecture", MOE)
+def test_export_loads_in_transformers_and_round_trips_bit_identically(
+    built, tmp_path, architecture: str
+):
+    """import -> export (several shards) -> transformers' from_pretrained gives the
+    same logits and choices; importing the export gives the same bits."""
+    source = built(architecture)
+    _import(source / "hf", tmp_path / "run")
+    family, step, shards = commands.export_hf(
+        tmp_path / "run", tmp_path / "out", DATA_PARALLEL, None, "float32", shard_gb=2e-5
+    )
+    assert (family.architecture, step) == (architecture, 0) and len(shards) > 1
+    _hf("logits", tmp_path / "out", source / "reference.npz")
+    reference = np.load(source / "reference.npz")
+    exported = np.load(tmp_path / "out" / "logits.npz")
+    np.testing.assert_allclose(exported["logits"], reference["logits"], rtol=0, atol=1e-4)
+    np.testing.assert_array_equal(exported["chosen"], reference["chosen"])
+    _import(tmp_path / "out", tmp_path / "again")
+    _assert_identical(_params(tmp_path / "run"), _params(tmp_path / "again"))
+
+
+@pytest.mark.parametrize("architecture", MOE)
+def test_parity_holds_under_sp_and_ep_a2a(built, tmp_path, architecture: str):
+    """Imported straight into the sp + ep_a2a plan (2 data groups of 4) and run there."""
+    source = built(architecture)
+    reference = dict(np.load(source / "reference.npz"))
+    _import(source / "hf", tmp_path / "run", SP_EP)
+    _assert_matches(reference, *_outputs(tmp_path / "run", reference["tokens"], SP_EP))
+
+
+def _copy(source: Path, target: Path) -> Path:
+    target.mkdir(parents=True)
+    for f in source.iterdir():
+        (target / f.name).write_bytes(f.read_bytes())
+    return target
+
+
+def _tensors(directory: Path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    return load_file(str(directory / "model.safetensors"))
+
+
+@pytest.mark.parametrize(
+    "damage,message",
+    [
+        ("architecture", "architecture 'DeepseekV3ForCausalLM' is not supported"),
+        ("missing shard", "shard model-00002-of-00002.safetensors named by"),
+        ("wrong shape", "tensor model.norm.weight has shape [39], expected [40]"),
+        ("unknown tensor", "tensor model.layers.0.mlp.extra.weight is not used"),
+        ("missing tensor", "tensor model.layers.2.self_attn.q_proj.weight is missing"),
+    ],
+)
+def test_bad_checkpoints_are_refused_in_one_line_writing_nothing(
+    built, tmp_path, damage: str, message: str
+):
+    hf = _copy(built("MixtralForCausalLM") / "hf_fused", tmp_path / "hf")
+    tensors = _tensors(hf)
+    if damage == "architecture":
+        config = json.loads((hf / "config.json").read_text())
+        (hf / "config.json").write_text(
+            json.dumps({**config, "architectures": ["DeepseekV3ForCausalLM"]})
+        )
+    elif damage == "missing shard":
+        index = {"weight_map": {k: "model-00001-of-00002.safetensors" for k in tensors}}
+        index["weight_map"]["lm_head.weight"] = "model-00002-of-00002.safetensors"
+        (hf / "model.safetensors.index.json").write_text(json.dumps(index))
+        (hf / "model.safetensors").rename(hf / "model-00001-of-00002.safetensors")
+    else:
+        if damage == "wrong shape":
+            tensors["model.norm.weight"] = tensors["model.norm.weight"][:39]
+        elif damage == "unknown tensor":
+            tensors["model.layers.0.mlp.extra.weight"] = np.zeros((3, 5), np.float32)
+        else:
+            del tensors["model.layers.2.self_attn.q_proj.weight"]
+        save_file(tensors, str(hf / "model.safetensors"), metadata={"format": "pt"})
+    run = run_command(
+        tmp_path, "convert", ["import", f"--hf={hf}", f"--workdir={tmp_path / 'run'}"]
+    )
+    assert run.returncode == 1, run.stderr[-2000:]
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+    assert not (tmp_path / "run").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["hf"]  # no staging directory left
+
+
+def test_import_and_export_from_the_command_line(built, tmp_path):
+    """The real commands: import into a fresh workdir, train two steps from it (the
+    fine-tune resumes its step 0), export the trained weights."""
+    source = built("Qwen3MoeForCausalLM")
+    run = run_command(tmp_path, "convert", ["import", f"--hf={source / 'hf'}", "--workdir=run"])
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "into run: config.py, config.json, checkpoints/0" in run.stdout
+    train = run_command(
+        tmp_path,
+        "train",
+        [
+            "--config=run/config.py",
+            "--workdir=run",
+            "--config.train.steps=2",
+            "--config.train.batch_size=2",
+            "--config.train.seq_len=16",
+            "--config.train.eval_batches=1",
+            "--config.train.log_every=1",
+        ],
+    )
+    assert train.returncode == 0, train.stderr[-3000:]
+    rows = [
+        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2]
+    run = run_command(tmp_path, "convert", ["export", "--workdir=run", "--hf=out"])
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "exported step 2 of run as Qwen3MoeForCausalLM into out" in run.stdout
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3MoeForCausalLM"] and config["head_dim"] == 12
