@@ -35,7 +35,8 @@ ARCHITECTURE_EXEMPT = {
 }
 
 
-def _flat(config: dict[str, Any]) -> dict[str, Any]:
+def architecture(config: dict[str, Any]) -> dict[str, Any]:
+    """The settings of a config dict that shape or give meaning to its parameters."""
     return {
         f"{section}.{key}": value
         for section in ARCHITECTURE_SECTIONS
@@ -169,7 +170,7 @@ class Checkpointer:
         if found is None:
             return
         step, saved = found
-        ours, theirs = _flat(config), _flat(saved)
+        ours, theirs = architecture(config), architecture(saved)
         for key in sorted(set(ours) | set(theirs)):
             if ours.get(key) != theirs.get(key):
                 raise ValueError(

@@ -18,6 +18,7 @@ SCORE_FNS = ("softmax", "sigmoid")
 MOE_IMPLS = ("auto", "tiled", "ragged_dot", "pallas", "tokamax", "capacity", "dense")
 DTYPES = ("float32", "bfloat16")
 REMAT = ("none", "full", "selective", "offload")  # see moe_jax.model.remat
+UPCYCLE = ("none", "copy", "split")  # see moe_jax.init_from
 QK_NORMS = ("none", "head", "projection")  # see moe_jax.model.attention
 
 
@@ -124,6 +125,10 @@ class TrainConfig:
     max_bad_steps: int = 5  # consecutive non-finite losses before the run stops
     loss_chunks: int = 0  # chunks of the sequence the loss runs over; 0 = by logits size
     memory_limit_gb: float = 0.0  # per device, checked before compiling; 0 = the device's
+    # A fresh run's weights from another run or a Hugging Face checkpoint directory
+    # (step 0, fresh optimizer); upcycle: none, copy or split (moe_jax.init_from).
+    init_from: str = ""
+    upcycle: str = "none"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -361,6 +366,13 @@ def validate(config: Config) -> None:
         "train.wsd_decay_fraction",
         t.wsd_decay_fraction,
         "must be in (0, 1]",
+    )
+    _check(t.upcycle in UPCYCLE, "train.upcycle", t.upcycle, f"valid: {UPCYCLE}")
+    _check(
+        t.upcycle == "none" or bool(t.init_from),
+        "train.upcycle",
+        t.upcycle,
+        "upcycles the model of train.init_from, which is not set",
     )
     for name in ("warmup_steps", "weight_decay", "eval_every", "checkpoint_every", "eps"):
         _check(getattr(t, name) >= 0, f"train.{name}", getattr(t, name), "must be >= 0")

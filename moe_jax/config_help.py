@@ -93,6 +93,16 @@ MEANINGS: dict[str, str] = {
         "device's own limit (GPU: what JAX reports; CPU: 90% of the machine's RAM shared by its "
         "devices)"
     ),
+    "train.init_from": (
+        "a moe_jax run directory or Hugging Face checkpoint directory whose weights a fresh run "
+        "starts from (step 0, fresh optimizer: a fine-tune); a workdir with its own checkpoint "
+        "resumes that instead"
+    ),
+    "train.upcycle": (
+        "with `init_from` a dense model: `none`, `copy` (every expert the dense MLP) or `split` "
+        "(expert e is slice e mod g of the MLP's width, router columns repeated; exact with "
+        "moe.top_k a multiple of g and moe.routed_scaling=g)"
+    ),
     "train.loss_chunks": (
         "chunks of the sequence the loss and its gradient run over, so float32 [batch, seq, vocab] "
         "logits never exist; 0 picks the fewest power-of-two chunks keeping one chunk's logits "

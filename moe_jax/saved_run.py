@@ -38,9 +38,12 @@ def placed(config: config_lib.Config, parallel: config_lib.ParallelConfig):
 def restore(workdir: Path, parallel: config_lib.ParallelConfig, say=print):
     """(config, layout, graphdef, step, state) of the newest readable checkpoint of the
     run in `workdir`, restored into `parallel`'s plan (any plan: checkpoints are
-    canonical), or one line."""
+    canonical), or one line. The config's batch is one per device."""
     config = saved_config(workdir)
-    config, layout, graphdef, like = placed(config, parallel)
+    # Nothing trains on the restored state: the run's batch need not split over this
+    # machine's devices, so it is set to one that does.
+    train = dataclasses.replace(config.train, batch_size=jax.device_count(), grad_accum=1)
+    config, layout, graphdef, like = placed(dataclasses.replace(config, train=train), parallel)
     checkpoints = Checkpointer(workdir / "checkpoints", config.train.keep_checkpoints)
     try:
         found = checkpoints.restore_newest(like, say)

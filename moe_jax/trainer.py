@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_jax import checkpoint, flops, memory_check
+from moe_jax import checkpoint, flops, init_from, memory_check
 from moe_jax import config as config_lib
 from moe_jax import workdir as workdir_lib
 from moe_jax.checkpoint import Checkpointer
@@ -197,6 +197,8 @@ def run(config: config_lib.Config, workdir: str | Path) -> dict[str, Any]:
             if tc.steps <= start:
                 say(f"already complete at step {start} (train.steps={tc.steps}); nothing to do")
                 return {}
+        if not start:
+            init_from.check(config)  # a source that cannot start this run, in one line
         need, limit, lines = memory_check.summary(config)
         for line in lines:
             say(line)
@@ -241,6 +243,14 @@ def _train(config, workdir: Path, layout, graphdef, placed, checkpoints, train_b
         except ValueError as error:
             raise RunError(str(error)) from None
         start, state = 0, init_placed(config, layout, state_sharding)
+        if tc.init_from:
+            try:
+                params = init_from.initial_params(config, layout, state.params, say)
+            except ValueError as error:
+                raise RunError(str(error)) from None
+            state = dataclasses.replace(state, params=params)
+            how = f" (upcycled: {tc.upcycle})" if tc.upcycle != "none" else ""
+            say(f"initialised from {tc.init_from}{how}, at step 0 with a fresh optimizer")
     workdir.mkdir(parents=True, exist_ok=True)
     if process == 0:  # one writer for the run's files in a multi-process job
         (workdir / "config.json").write_text(json.dumps(config_dict, indent=2) + "\n")

@@ -453,6 +453,32 @@ CASES = [
     ),
     _c("launch_no_processes", "launch", ["-n", "0"], "-n=0"),
     _c("launch_processes_not_a_number", "launch", ["-n", "abc"], "-n: invalid int value: 'abc'"),
+    # train: where a fresh run's weights come from
+    _c(
+        "init_from_another_model",
+        "train",
+        [
+            *TINY,
+            "--workdir={root}/new",
+            "--config.train.init_from={root}/run",
+            "--config.model.num_layers=3",
+        ],
+        "train.init_from='",
+        "is another model: model.num_layers=2 there, 3 here",
+        setup=Place.trained,
+    ),
+    _c(
+        "init_from_nothing",
+        "train",
+        [*TINY, WORKDIR, "--config.train.init_from={root}/nowhere"],
+        "nowhere' is neither a moe_jax run directory",
+    ),
+    _c(
+        "upcycle_without_source",
+        "train",
+        [*TINY, WORKDIR, "--config.train.upcycle=copy"],
+        "train.upcycle='copy' is invalid: upcycles the model of train.init_from",
+    ),
     # convert: the command and its directories (the checkpoint's own damage: test_hf_convert)
     _c("convert_no_command", "convert", ["--hf={root}/hf", WORKDIR], "give one command"),
     _c("convert_import_no_hf", "convert", ["import", WORKDIR], "import needs --hf=DIR"),
