@@ -14,6 +14,7 @@ import difflib
 import runpy
 import sys
 from pathlib import Path
+from typing import Any
 
 from absl import flags
 from ml_collections import config_flags
@@ -132,6 +133,22 @@ def _overrides(argv: list[str]) -> list[str]:
         if arg.startswith("--config."):
             found.append(arg[len("--config.") :].split("=", 1)[0])
     return found
+
+
+def overridden(argv: list[str], config, sections: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    """section -> {setting: value} for the `--config.<section>.<key>` flags in `argv`
+    (values as the loaded `config` holds them), for commands that start from a run's
+    saved config and change only what is given; one line for a section they keep."""
+    given: dict[str, dict[str, Any]] = {s: {} for s in sections}
+    for path in _overrides(argv):
+        section, key = path.split(".", 1)
+        if section not in given:
+            raise SystemExit(
+                f"error: --config.{path}: this command keeps the run's {section} settings; "
+                f"it takes {', '.join(f'--config.{s}.*' for s in sections)}"
+            )
+        given[section][key] = config[section][key]
+    return given
 
 
 def parse(argv: list[str]) -> list[str]:

@@ -35,15 +35,16 @@ def placed(config: config_lib.Config, parallel: config_lib.ParallelConfig):
     return config, layout, graphdef, with_shardings(abstract, shardings)
 
 
-def restore(workdir: Path, parallel: config_lib.ParallelConfig, say=print):
+def restore(workdir: Path, parallel: config_lib.ParallelConfig, say=print, **sections):
     """(config, layout, graphdef, step, state) of the newest readable checkpoint of the
     run in `workdir`, restored into `parallel`'s plan (any plan: checkpoints are
-    canonical), or one line. The config's batch is one per device."""
+    canonical), or one line. `sections` replace the run's (say, the data to score);
+    nothing trains on the state, so by default the batch is one sequence per device,
+    which splits over any plan of this machine."""
     config = saved_config(workdir)
-    # Nothing trains on the restored state: the run's batch need not split over this
-    # machine's devices, so it is set to one that does.
     train = dataclasses.replace(config.train, batch_size=jax.device_count(), grad_accum=1)
-    config, layout, graphdef, like = placed(dataclasses.replace(config, train=train), parallel)
+    config = dataclasses.replace(config, **{"train": train, **sections})
+    config, layout, graphdef, like = placed(config, parallel)
     checkpoints = Checkpointer(workdir / "checkpoints", config.train.keep_checkpoints)
     try:
         found = checkpoints.restore_newest(like, say)

@@ -1,4 +1,4 @@
-"""The six command lines as a user types them, and one way to run them in a subprocess
+"""The command lines as a user types them, and one way to run them in a subprocess
 (one CPU device, from a directory of the test's choosing)."""
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ COMMANDS = {
     "prepare": ["-m", "moe_jax.data.prepare"],
     "launch": [str(ROOT / "launch" / "local.py")],
     "convert": ["-m", "moe_jax.convert"],
+    "sample": ["-m", "moe_jax.sample"],
+    "evaluate": ["-m", "moe_jax.evaluate"],
 }
 CONFIG_COMMANDS = ("train", "plan", "comm_report")  # those that take --config flags
 

@@ -479,6 +479,17 @@ CASES = [
         [*TINY, WORKDIR, "--config.train.upcycle=copy"],
         "train.upcycle='copy' is invalid: upcycles the model of train.init_from",
     ),
+    # sample and evaluate: a run's checkpoint
+    _c("sample_no_workdir", "sample", ["--prompt=x"], "sample needs --workdir=RUN"),
+    _c("sample_top_p_zero", "sample", [WORKDIR, "--top_p=0"], "--top_p=0.0 must be in (0, 1]"),
+    _c("sample_not_a_run", "sample", ["--workdir={root}"], "no config.json (not a moe_jax run"),
+    _c(
+        "evaluate_changes_the_model",
+        "evaluate",
+        [WORKDIR, "--config.model.num_layers=3"],
+        "--config.model.num_layers: this command keeps the run's model settings",
+    ),
+    _c("evaluate_negative_batches", "evaluate", [WORKDIR, "--batches=-1"], "--batches=-1"),
     # convert: the command and its directories (the checkpoint's own damage: test_hf_convert)
     _c("convert_no_command", "convert", ["--hf={root}/hf", WORKDIR], "give one command"),
     _c("convert_import_no_hf", "convert", ["import", WORKDIR], "import needs --hf=DIR"),

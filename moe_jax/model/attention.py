@@ -123,16 +123,22 @@ class Attention(nnx.Module):
         self.attention_impl, self.dtype = cfg.attention_impl, cfg.dtype
         self.layout = layout
 
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    def weights(self) -> AttentionWeights:
+        """The block's weights as stored (float32)."""
         value = lambda p: None if p is None else p[...]
         scale = lambda norm: None if norm is None else norm.scale[...]
-        w = AttentionWeights(
+        return AttentionWeights(
             *(p[...] for p in (self.query, self.key, self.value, self.out)),
             *(value(p) for p in (self.query_bias, self.key_bias, self.value_bias)),
             scale(self.query_norm),
             scale(self.key_norm),
         )
-        block = AttentionBlock(self.rope_theta, self.norm_eps)
+
+    def block(self) -> AttentionBlock:
+        return AttentionBlock(self.rope_theta, self.norm_eps)
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        w, block = self.weights(), self.block()
         # Chosen when traced, for the backend it is traced for (a config for another
         # platform can still be built and planned here).
         core = attention_fn(self.attention_impl, self.dtype)

@@ -1,0 +1,82 @@
+"""`python -m moe_jax.evaluate --workdir RUN [--split val] [--batches N] [--config.data.*]`.
+
+Loss and perplexity of a run's newest checkpoint on prepared data, with no training:
+its own validation split by default, or any data given as `--config.data.*`
+(`source`, `path`) with the batch as `--config.train.batch_size` / `seq_len` and the
+plan as `--config.parallel.*`. Prints one line; exit status 0, or 1 on bad input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from functools import partial
+from pathlib import Path
+
+from absl import app, flags
+
+from moe_jax import cli, quiet
+
+_CONFIG = cli.define_config_flag()
+_WORKDIR = flags.DEFINE_string("workdir", None, "The run directory whose checkpoint to score.")
+_SPLIT = flags.DEFINE_string("split", "val", "Split of the data: val or train.")
+_BATCHES = flags.DEFINE_integer("batches", 0, "Batches to score (0: train.eval_batches).")
+SECTIONS = ("data", "train", "parallel")
+
+
+def score(workdir: Path, given: dict, split: str, batches: int) -> tuple[int, float, int]:
+    """(checkpoint step, mean loss in nats per token, tokens scored)."""
+    import jax
+    import numpy as np
+
+    from moe_jax import saved_run
+    from moe_jax.config import ParallelConfig
+    from moe_jax.data import pipeline
+    from moe_jax.parallel import mesh as mesh_lib
+    from moe_jax.train_step import eval_step
+
+    saved = saved_run.saved_config(workdir)
+    data = dataclasses.replace(saved.data, **given["data"])
+    train = dataclasses.replace(saved.train, **{**given["train"], "grad_accum": 1})
+    parallel = ParallelConfig(**given["parallel"])
+    config, layout, graphdef, step, state = saved_run.restore(
+        workdir, parallel, data=data, train=train
+    )
+    sharding = mesh_lib.batch_sharding(layout)
+    t = config.train
+    rows = pipeline.local_rows(sharding, t.batch_size, t.seq_len)
+    stream = pipeline.make_iterator(config, split, rows, shuffle=False)
+    fn = jax.jit(partial(eval_step, graphdef, config))
+    count = batches or t.eval_batches
+    losses = [
+        float(fn(state, pipeline.global_array(next(stream), sharding, t.batch_size)))
+        for _ in range(count)
+    ]
+    return step, float(np.mean(losses)), count * t.batch_size * t.seq_len
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise SystemExit(f"error: unexpected arguments {argv[1:]}")
+    if not _WORKDIR.value:
+        raise SystemExit("error: evaluate needs --workdir=RUN (a run directory)")
+    if _BATCHES.value < 0:
+        raise SystemExit(f"error: --batches={_BATCHES.value} must be >= 0")
+    given = cli.overridden(sys.argv, _CONFIG.value, SECTIONS)
+    if not flags.FLAGS["verbosity"].present:
+        quiet.quiet_libraries()
+    workdir = Path(_WORKDIR.value)
+    try:
+        step, loss, tokens = score(workdir, given, _SPLIT.value, _BATCHES.value)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    print(
+        f"{_SPLIT.value} loss {loss:.4f} nats/token, perplexity {math.exp(loss):.3f} "
+        f"({tokens} tokens, step {step} of {workdir})"
+    )
+
+
+if __name__ == "__main__":
+    app.run(main, flags_parser=cli.parse)
