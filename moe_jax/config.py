@@ -19,6 +19,7 @@ MOE_IMPLS = ("auto", "tiled", "ragged_dot", "pallas", "tokamax", "capacity", "de
 DTYPES = ("float32", "bfloat16")
 REMAT = ("none", "full", "selective", "offload")  # see moe_jax.model.remat
 UPCYCLE = ("none", "copy", "split")  # see moe_jax.init_from
+WANDB = ("off", "offline", "online")  # see moe_jax.metrics
 QK_NORMS = ("none", "head", "projection")  # see moe_jax.model.attention
 
 
@@ -129,6 +130,8 @@ class TrainConfig:
     # (step 0, fresh optimizer); upcycle: none, copy or split (moe_jax.init_from).
     init_from: str = ""
     upcycle: str = "none"
+    wandb: str = "off"  # Weights & Biases: off, offline or online (needs the wandb package)
+    wandb_project: str = "moe_jax"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -367,6 +370,7 @@ def validate(config: Config) -> None:
         t.wsd_decay_fraction,
         "must be in (0, 1]",
     )
+    _check(t.wandb in WANDB, "train.wandb", t.wandb, f"valid: {WANDB}")
     _check(t.upcycle in UPCYCLE, "train.upcycle", t.upcycle, f"valid: {UPCYCLE}")
     _check(
         t.upcycle == "none" or bool(t.init_from),

@@ -103,6 +103,12 @@ MEANINGS: dict[str, str] = {
         "(expert e is slice e mod g of the MLP's width, router columns repeated; exact with "
         "moe.top_k a multiple of g and moe.routed_scaling=g)"
     ),
+    "train.wandb": (
+        "also log to Weights & Biases: `off`, `offline` (written under the workdir, synced "
+        "later with `wandb sync`) or `online`; needs the wandb package, never installed by "
+        "moe_jax"
+    ),
+    "train.wandb_project": "the W&B project of `train.wandb`",
     "train.loss_chunks": (
         "chunks of the sequence the loss and its gradient run over, so float32 [batch, seq, vocab] "
         "logits never exist; 0 picks the fewest power-of-two chunks keeping one chunk's logits "

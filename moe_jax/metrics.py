@@ -1,7 +1,10 @@
-"""Where a run's numbers go: `metrics.jsonl`, TensorBoard, and the terminal."""
+"""Where a run's numbers go: `metrics.jsonl`, TensorBoard, the terminal and, when
+`train.wandb` asks for it, Weights & Biases (an optional package, never required)."""
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -62,6 +65,29 @@ def _rewrite(path: Path, rows: list[dict[str, Any]]) -> None:
     os.replace(tmp, path)
 
 
+def check_wandb(mode: str) -> None:
+    """One line, before anything compiles, when W&B is asked for but not installed."""
+    if mode != "off" and importlib.util.find_spec("wandb") is None:
+        raise ValueError(
+            f"train.wandb={mode!r} needs the wandb package, which is not installed "
+            "(pip install wandb), or train.wandb='off'"
+        )
+
+
+def _wandb_run(workdir: Path, mode: str, project: str, config: dict[str, Any]):
+    """A W&B run kept in `workdir`/wandb; its id comes from the workdir, so a resumed
+    run goes on logging into the same W&B run."""
+    import wandb
+
+    run_id = hashlib.sha1(str(workdir.resolve()).encode()).hexdigest()[:16]
+    (workdir / "wandb").mkdir(parents=True, exist_ok=True)
+    settings = wandb.Settings(silent=True, console="off")
+    return wandb.init(
+        project=project, id=run_id, resume="allow", mode=mode, dir=str(workdir),
+        config=config, name=workdir.name, settings=settings,
+    )  # fmt: skip
+
+
 class MetricsLogger:
     """One JSON object per line, the same scalars to TensorBoard, progress to the terminal.
 
@@ -71,11 +97,22 @@ class MetricsLogger:
     In a multi-process job only process 0 logs (`enabled`); the others keep quiet.
     """
 
-    def __init__(self, workdir: Path, total_steps: int, start_step: int, enabled: bool = True):
+    def __init__(
+        self,
+        workdir: Path,
+        total_steps: int,
+        start_step: int,
+        enabled: bool = True,
+        wandb: tuple[str, str, dict] | None = None,
+    ):
+        """`wandb`: (train.wandb mode, project, the run's config) to log there too."""
         self.path = workdir / "metrics.jsonl"
         self.enabled = enabled
+        self._wandb = None
         if not enabled:
             return
+        if wandb is not None and wandb[0] != "off":
+            self._wandb = _wandb_run(workdir, *wandb)
         rows, torn = _read(self.path)
         kept = [row for row in rows if row["step"] <= start_step]
         if torn or len(kept) != len(rows):
@@ -91,9 +128,15 @@ class MetricsLogger:
             return
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
-        for key, value in row.items():
-            if isinstance(value, int | float) and key != "step" and math.isfinite(value):
-                self._tb.add_scalar(key, value, row["step"])
+        scalars = {
+            key: value
+            for key, value in row.items()
+            if isinstance(value, int | float) and key != "step" and math.isfinite(value)
+        }
+        for key, value in scalars.items():
+            self._tb.add_scalar(key, value, row["step"])
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=row["step"])
         shown = [(label, row.get(key)) for key, label in TERMINAL]
         summary = " ".join(
             [f"step={row['step']}"]
@@ -113,5 +156,7 @@ class MetricsLogger:
             return
         self._file.close()
         self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
         if self._bar is not None:
             self._bar.close()

@@ -23,7 +23,7 @@ from moe_jax import config as config_lib
 from moe_jax import workdir as workdir_lib
 from moe_jax.checkpoint import Checkpointer
 from moe_jax.data import pipeline
-from moe_jax.metrics import MetricsLogger, read_rows
+from moe_jax.metrics import MetricsLogger, check_wandb, read_rows
 from moe_jax.parallel import mesh as mesh_lib
 from moe_jax.plan.resolve import check_plan
 from moe_jax.plots import plot_run
@@ -197,6 +197,7 @@ def run(config: config_lib.Config, workdir: str | Path) -> dict[str, Any]:
             if tc.steps <= start:
                 say(f"already complete at step {start} (train.steps={tc.steps}); nothing to do")
                 return {}
+        check_wandb(tc.wandb)
         if not start:
             init_from.check(config)  # a source that cannot start this run, in one line
         need, limit, lines = memory_check.summary(config)
@@ -263,7 +264,8 @@ def _train(config, workdir: Path, layout, graphdef, placed, checkpoints, train_b
     )
     eval_fn = jax.jit(partial(eval_step, graphdef, config))
     try:
-        logger = MetricsLogger(workdir, tc.steps, start, enabled=process == 0)
+        wandb = (tc.wandb, tc.wandb_project, config_dict)
+        logger = MetricsLogger(workdir, tc.steps, start, enabled=process == 0, wandb=wandb)
     except ValueError as error:  # a damaged metrics.jsonl
         raise RunError(str(error)) from None
     tokens_per_step = tc.batch_size * tc.seq_len

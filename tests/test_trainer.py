@@ -419,3 +419,16 @@ def test_warmup_as_long_as_the_run_warns_in_one_line(tmp_path: Path):
         "warning: train.warmup_steps=2 >= train.steps=2: the learning rate never reaches "
         "its peak train.learning_rate=0.003"
     ]
+
+
+def test_wandb_offline_logs_every_row_into_the_workdir(tmp_path, monkeypatch):
+    """train.wandb='offline': the W&B run lives in the workdir (synced later with `wandb
+    sync`) and its record holds each logged loss exactly as metrics.jsonl has it."""
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    trainer.run(tiny_config(steps=3, wandb="offline"), tmp_path)
+    records = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(records) == 1, list((tmp_path / "wandb").rglob("*"))
+    data = records[0].read_bytes()
+    losses = [row["loss"] for row in read_rows(tmp_path / "metrics.jsonl") if "loss" in row]
+    assert len(losses) == 3
+    assert all(json.dumps(loss).encode() in data for loss in losses)
