@@ -1,6 +1,6 @@
 """Hugging Face checkpoints in and out, against transformers itself.
 
-Each family's tiny random model is built by transformers (`tests/hf_reference.py`, in
+Each family's tiny random model is built by transformers (`moe_jax/convert/transformers_side.py`, in
 the Python 3.11 environment `make test` builds, .venv-hf) with dimensions that are
 never square and norms, biases and routers re-randomised, so a swapped or transposed
 tensor cannot pass. moe_jax imports it (8 forced CPU devices) and must give the same
@@ -31,6 +31,7 @@ from moe_jax.parallel import mesh as mesh_lib
 from tests.commands import ROOT, run_command
 
 HF_PYTHON = ROOT / ".venv-hf" / "bin" / "python"
+TRANSFORMERS_SIDE = ROOT / "moe_jax" / "convert" / "transformers_side.py"
 MOE = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 DENSE = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 DATA_PARALLEL = config_lib.ParallelConfig()  # all 8 test devices over data
@@ -43,7 +44,7 @@ pytestmark = pytest.mark.skipif(
 
 def _hf(*args: str) -> None:
     run = subprocess.run(
-        [str(HF_PYTHON), str(ROOT / "tests" / "hf_reference.py"), *map(str, args)],
+        [str(HF_PYTHON), str(TRANSFORMERS_SIDE), *map(str, args)],
         capture_output=True,
         text=True,
         timeout=300,

@@ -21,6 +21,7 @@ from tests.commands import subprocess_env
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "quickstart.ipynb"
 OVERLAP = ROOT / "notebooks" / "overlap.ipynb"
+FINETUNE = ROOT / "notebooks" / "finetune.ipynb"
 RESULT_MARKER = "NOTEBOOK_RESULT "
 
 # Appended to the in-memory copy only: reports what the notebook computed.
@@ -37,7 +38,7 @@ print({RESULT_MARKER!r} + _json.dumps({{
 """
 
 
-@pytest.mark.parametrize("path", [NOTEBOOK, OVERLAP], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [NOTEBOOK, OVERLAP, FINETUNE], ids=lambda p: p.name)
 def test_committed_notebook_has_no_outputs(path):
     nb = nbformat.read(path, as_version=4)
     nbformat.validate(nb)
@@ -63,7 +64,7 @@ def _python3_kernelspec(tmp_path: pathlib.Path) -> pathlib.Path:
     return data_dir
 
 
-def _execute(path: pathlib.Path, report_cell: str, tmp_path, monkeypatch):
+def _execute(path: pathlib.Path, report_cell: str, tmp_path, monkeypatch, **env: str):
     """The notebook with `report_cell` appended, run in a real kernel as a newcomer would
     (the single real CPU device, not the 8 forced host devices of tests/conftest.py):
     the executed notebook and what the report cell printed."""
@@ -76,7 +77,7 @@ def _execute(path: pathlib.Path, report_cell: str, tmp_path, monkeypatch):
 
     nb = nbformat.read(path, as_version=4)
     nb.cells.append(nbformat.v4.new_code_cell(report_cell))
-    env = subprocess_env(JAX_PLATFORMS="cpu", IPYTHONDIR=str(tmp_path / "ipython"))
+    env = subprocess_env(JAX_PLATFORMS="cpu", IPYTHONDIR=str(tmp_path / "ipython"), **env)
     client = NotebookClient(
         nb,
         timeout=600,
@@ -150,3 +151,27 @@ def test_overlap_notebook_executes(tmp_path, monkeypatch):
     assert megatron["none"] > megatron["collective_matmul"]  # only rings hide tp's exchanges
     assert megatron["chunked C=4"] > megatron["both C=4"]
     assert _images(nb) == 3
+
+
+_FINETUNE_REPORT = f"""
+import json as _json
+print({RESULT_MARKER!r} + _json.dumps({{
+    "import_diff": import_diff, "export_diff": export_diff, "losses": losses,
+    "samples": samples, "step": step,
+}}))
+"""
+
+
+@pytest.mark.skipif(not (ROOT / ".venv-hf").exists(), reason="needs .venv-hf (make test)")
+def test_finetune_notebook_executes(tmp_path, monkeypatch):
+    """Build with transformers, import, same logits, fine-tune, sample, export, and
+    transformers gives the fine-tuned model's logits."""
+    hf_python = str(ROOT / ".venv-hf" / "bin" / "python")
+    _, result = _execute(
+        FINETUNE, _FINETUNE_REPORT, tmp_path, monkeypatch, MOE_JAX_HF_PYTHON=hf_python
+    )
+    assert result["import_diff"] < 1e-4 and result["export_diff"] < 1e-4, result
+    losses = result["losses"]
+    assert len(losses) == 8 and losses[-1] < losses[0], losses
+    assert result["step"] == 8
+    assert all(text.startswith("def ") for text in result["samples"]), result["samples"]

@@ -1,12 +1,14 @@
-"""The transformers side of the parity tests, run by the Python 3.11 environment that
-`make test` builds (.venv-hf: torch's CPU wheel and transformers; see the README).
-It never imports moe_jax; it hands everything over as files.
+"""transformers' side of a conversion check: a script for any Python that has torch and
+transformers (the parity tests run it in the Python 3.11 environment `make test`
+builds, .venv-hf; see the README). moe_jax never imports it, and it never imports
+moe_jax: the two sides hand tokens, logits and expert choices over as files.
 
-    hf_reference.py build ARCH OUT    tiny random model, saved per expert (OUT/hf) and
-                                      fused (OUT/hf_fused), its logits and expert choices
-                                      on fixed tokens (OUT/reference.npz)
-    hf_reference.py logits DIR NPZ    from_pretrained(DIR)'s logits on NPZ's tokens,
-                                      written to DIR/logits.npz
+    python transformers_side.py build ARCH OUT   a tiny random ARCH model, saved per
+                                                 expert (OUT/hf) and fused (OUT/hf_fused),
+                                                 its logits and expert choices on fixed
+                                                 tokens (OUT/reference.npz)
+    python transformers_side.py logits DIR NPZ   from_pretrained(DIR)'s logits and expert
+                                                 choices on NPZ's tokens, in DIR/logits.npz
 """
 
 from __future__ import annotations
@@ -107,6 +109,7 @@ def logits(directory: Path, reference: Path) -> None:
     model = cls.from_pretrained(directory, attn_implementation="eager").eval()
     tokens = np.load(reference)["tokens"]
     np.savez(directory / "logits.npz", **_run(model.float(), tokens))
+    print(f"{architecture} from {directory}: logits in {directory / 'logits.npz'}")
 
 
 if __name__ == "__main__":
