@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import subprocess
 from functools import cache
 from pathlib import Path
@@ -21,7 +22,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from safetensors.numpy import save_file
+from safetensors.numpy import load_file, save_file
 
 from moe_jax import config as config_lib
 from moe_jax import saved_run
@@ -144,19 +145,6 @@ def test_parity_holds_under_sp_and_ep_a2a(built, tmp_path, architecture: str):
     _assert_matches(reference, *_outputs(tmp_path / "run", reference["tokens"], SP_EP))
 
 
-def _copy(source: Path, target: Path) -> Path:
-    target.mkdir(parents=True)
-    for f in source.iterdir():
-        (target / f.name).write_bytes(f.read_bytes())
-    return target
-
-
-def _tensors(directory: Path) -> dict[str, np.ndarray]:
-    from safetensors.numpy import load_file
-
-    return load_file(str(directory / "model.safetensors"))
-
-
 @pytest.mark.parametrize(
     "damage,message",
     [
@@ -170,8 +158,8 @@ def _tensors(directory: Path) -> dict[str, np.ndarray]:
 def test_bad_checkpoints_are_refused_in_one_line_writing_nothing(
     built, tmp_path, damage: str, message: str
 ):
-    hf = _copy(built("MixtralForCausalLM") / "hf_fused", tmp_path / "hf")
-    tensors = _tensors(hf)
+    hf = Path(shutil.copytree(built("MixtralForCausalLM") / "hf_fused", tmp_path / "hf"))
+    tensors = load_file(str(hf / "model.safetensors"))
     if damage == "architecture":
         config = json.loads((hf / "config.json").read_text())
         (hf / "config.json").write_text(
