@@ -218,3 +218,30 @@ def test_import_and_export_from_the_command_line(built, tmp_path):
     assert "exported step 2 of run as Qwen3MoeForCausalLM into out" in run.stdout
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["architectures"] == ["Qwen3MoeForCausalLM"] and config["head_dim"] == 12
+
+
+def test_a_transformers_llama_upcycled_to_moe_keeps_its_logits(built):
+    """`train.init_from` a Hugging Face directory with `train.upcycle='copy'`: the MoE
+    model (every layer's 4 experts copies of Llama's MLP, renormalised top 2) gives
+    transformers' Llama logits."""
+    from moe_jax import init_from
+    from moe_jax.convert.hf_import import read_hf_config
+    from moe_jax.train_step import init_program
+
+    source = built("LlamaForCausalLM")
+    _, dense, _ = read_hf_config(source / "hf")
+    model = dataclasses.replace(dense.model, first_k_dense=0)
+    moe = config_lib.MoEConfig(num_experts=4, top_k=2, expert_mlp_dim=dense.model.mlp_dim)
+    train = config_lib.TrainConfig(
+        batch_size=8, seq_len=16, init_from=str(source / "hf"), upcycle="copy"
+    )
+    config = config_lib.Config(model=model, moe=moe, train=train)
+    init_from.check(config)
+    config, layout, graphdef, like = saved_run.placed(config, config.parallel)
+    fresh = init_program(config, layout, jax.tree.map(lambda x: x.sharding, like))()
+    params = init_from.initial_params(config, layout, fresh.params)
+    reference = np.load(source / "reference.npz")
+    model = nnx.merge(graphdef, params, fresh.biases)
+    logits, stats = jax.jit(lambda t: model(t))(reference["tokens"].astype(np.int32))
+    assert stats.load.shape == (3, 4)  # every layer is an MoE layer now
+    np.testing.assert_allclose(np.asarray(logits), reference["logits"], rtol=0, atol=1e-4)
