@@ -13,6 +13,32 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="moe_
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 
+# The files that take minutes, longest first: collected (and so handed out by
+# pytest-xdist's --dist loadfile) before the rest, so that no long file starts last
+# and keeps one worker busy after the other has finished.
+LONG_FILES = (
+    "test_plan_memory.py",
+    "test_pipeline.py",
+    "test_collective_matmul.py",
+    "test_notebook.py",
+    "test_overlap.py",
+    "test_parallel.py",
+    "test_trainer.py",
+    "test_chaos.py",
+    "test_slurm.py",
+    "test_bench_gpu_check.py",
+    "test_pipeline_state.py",
+    "test_pipeline_training.py",
+    "test_hf_convert.py",
+    "test_moe_block.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    first = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: first.get(item.path.name, len(LONG_FILES)))  # stable
+
+
 @pytest.fixture(scope="session")
 def single_process_run(tmp_path_factory):
     """The uninterrupted 8-device run that the multi-process runs must reproduce."""

@@ -24,8 +24,8 @@ QWEN_LIKE = dataclasses.replace(
 OLMOE_LIKE = dataclasses.replace(
     BASE, model=dataclasses.replace(BASE.model, qkv_bias=True, qk_norm="projection")
 )
+# (sp + ep_a2a with these features: tests/test_hf_convert.py, on imported models.)
 PLANS = {
-    "sp+ep_a2a": ParallelConfig(attention="sp", experts="ep_a2a", data=2, intra=4),
     # 8 query heads and 2 kv heads over 8 devices: each takes its kv head's bias and norm
     "tp+etp": ParallelConfig(attention="tp", experts="etp", data=1, intra=8),
     # the pairwise ring projects one destination's heads (and kv repeats) a step

@@ -341,7 +341,7 @@ def test_mixtral_8x7b_train_step_compiles_on_64_devices_as_the_memory_model_says
     writes each device exactly the plan's share of the 560 GB state, and the whole
     32-layer train step's memory per device (XLA's arguments, temporaries and outputs
     less what donation aliases) is within 15% of the memory model. "rings": the same
-    plan with both overlaps, expert blocks in 4 chunks (parallel.overlap_chunks) and
+    plan with both overlaps, expert blocks in 2 chunks (parallel.overlap_chunks) and
     every tp and etp exchange a ring (parallel.collective_matmul; on CPU each chunk's
     ring step pads its own expert tiles, which the memory model counts), so both hold
     at this scale too. "compressed": the planned plan with FP8 token exchange and the
@@ -368,7 +368,7 @@ def test_mixtral_8x7b_train_step_compiles_on_64_devices_as_the_memory_model_says
         assert planner.fits(best.memory, ranking.gpu), best.memory
         plan = best.plan
         if OVERLAP == "rings":
-            plan = dataclasses.replace(plan, overlap_chunks=4, collective_matmul=True)
+            plan = dataclasses.replace(plan, overlap_chunks=2, collective_matmul=True)
         if OVERLAP == "compressed":
             compressed = dict(token_dtype="fp8", grad_exchange="bf16_a2a")
             parallel = dataclasses.replace(base.parallel, **compressed)
@@ -416,7 +416,7 @@ def test_mixtral_8x7b_train_step_compiles_on_64_devices_as_the_memory_model_says
     assert int(whole) > 500e9 and int(init) < int(whole) / 40
     assert int(compiled) == pytest.approx(int(predicted), rel=0.15), (plan, compiled, predicted)
     if overlap == "rings":
-        assert plan[-2:] == ["4", "True"]
+        assert plan[-2:] == ["2", "True"]
     else:
         assert int(predicted) <= 0.9 * 80e9
     if overlap == "compressed":
