@@ -19,6 +19,7 @@ from functools import cache
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -91,6 +92,46 @@ def _assert_matches(reference: dict, config, logits: np.ndarray, load) -> None:
         np.testing.assert_array_equal(load, np.stack(counts))
 
 
+def _expert_choices(workdir: Path, tokens: np.ndarray) -> np.ndarray:
+    """[moe layers, tokens, k] experts moe_jax's router picks, each token's sorted: the
+    imported model run block by block through its own modules, the router applied to
+    each MoE block's input."""
+    from moe_jax.moe.block import MoE
+    from moe_jax.moe.routing import route
+    from moe_jax.parallel.layout import SINGLE_DEVICE
+    from moe_jax.train_step import abstract_state
+
+    config, _, _, _, state = saved_run.restore(workdir, DATA_PARALLEL)
+    graphdef, _ = abstract_state(config, SINGLE_DEVICE)
+    model = nnx.merge(graphdef, state.params, state.biases)
+
+    def run(tokens):
+        x = model.embed(tokens, jnp.float32)
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        chosen = []
+        for stack in (model.dense, model.moe):
+            if stack is None:
+                continue
+            unit_def, params, rest = nnx.split(stack.units, nnx.Param, ...)
+            for u in range(jax.tree.leaves(params)[0].shape[0]):
+                unit = nnx.merge(unit_def, *jax.tree.map(lambda a, u=u: a[u], (params, rest)))
+                for block in unit.blocks:
+                    x = x + block.attn(block.attn_norm(x), positions)
+                    h = block.ffn_norm(x)
+                    if isinstance(block.ffn, MoE):
+                        flat = h.reshape(-1, h.shape[-1])
+                        ffn = block.ffn
+                        chosen.append(
+                            route(flat, ffn.router[...], ffn.bias[...], ffn.cfg).expert_index
+                        )
+                        x = x + ffn(h)[0]
+                    else:
+                        x = x + block.ffn(h)
+        return jnp.stack(chosen)
+
+    return np.sort(np.asarray(jax.jit(run)(tokens.astype(np.int32))), axis=-1)
+
+
 def _params(workdir: Path) -> dict[str, np.ndarray]:
     *_, state = saved_run.restore(workdir, DATA_PARALLEL)
     return {k: np.asarray(v) for k, v in param_paths(state.params).items()}
@@ -110,6 +151,9 @@ def test_imported_model_gives_transformers_logits_and_expert_choices(
     reference = dict(np.load(source / "reference.npz"))
     _import(source / "hf", tmp_path / "run")
     _assert_matches(reference, *_outputs(tmp_path / "run", reference["tokens"]))
+    if architecture in MOE:  # the same experts for every token of every MoE layer
+        chosen = _expert_choices(tmp_path / "run", reference["tokens"])
+        np.testing.assert_array_equal(chosen, np.sort(reference["chosen"], axis=-1))
     if architecture in MOE:  # the fused expert layout imports to the same bits
         _import(source / "hf_fused", tmp_path / "fused")
         _assert_identical(_params(tmp_path / "run"), _params(tmp_path / "fused"))
