@@ -13,24 +13,29 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="moe_
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 
-# The files that take minutes, longest first: collected (and so handed out by
-# pytest-xdist's --dist loadfile) before the rest, so that no long file starts last
-# and keeps one worker busy after the other has finished.
+# The files that take minutes, longest first (by their summed durations in CI):
+# collected, and so handed out by pytest-xdist (`--dist loadfile
+# --no-loadscope-reorder`, the Makefile's), before the rest, so that no long file
+# starts last and keeps one worker busy after the other has finished.
 LONG_FILES = (
     "test_plan_memory.py",
     "test_pipeline.py",
     "test_collective_matmul.py",
-    "test_notebook.py",
-    "test_overlap.py",
     "test_parallel.py",
+    "test_bad_inputs.py",
     "test_trainer.py",
+    "test_overlap.py",
+    "test_notebook.py",
+    "test_pipeline_state.py",
     "test_chaos.py",
     "test_slurm.py",
     "test_bench_gpu_check.py",
-    "test_pipeline_state.py",
+    "test_moe_block.py",
     "test_pipeline_training.py",
     "test_hf_convert.py",
-    "test_moe_block.py",
+    "test_launch.py",
+    "test_bench_overlap.py",
+    "test_bench_compression.py",
 )
 
 
