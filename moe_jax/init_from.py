@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from moe_jax import checkpoint
 from moe_jax import config as config_lib
 from moe_jax.checkpoint import Checkpointer
-from moe_jax.convert.hf_import import load_params, param_paths, read_hf_config
+from moe_jax.convert.hf_import import block_of, load_params, param_paths, read_hf_config
 from moe_jax.parallel import mesh as mesh_lib
 from moe_jax.plan.resolve import check_plan
 from moe_jax.train_step import abstract_state, with_shardings
@@ -112,7 +112,7 @@ def _source_params(config: config_lib.Config, layout, say):
     shardings = mesh_lib.train_state_shardings(abstract, their_layout, theirs.parallel.zero)
     path = Path(config.train.init_from)
     if kind == "hf":
-        return load_params(path, family, theirs, abstract.params, shardings.params), theirs
+        return load_params(path, family, theirs, abstract.params, shardings.params)
     checkpoints = Checkpointer(path / "checkpoints", theirs.train.keep_checkpoints)
     try:
         found = checkpoints.restore_newest(with_shardings(abstract, shardings), say)
@@ -120,15 +120,13 @@ def _source_params(config: config_lib.Config, layout, say):
         checkpoints.close()
     if found is None:
         raise ValueError(f"train.init_from={str(path)!r}: no readable checkpoint")
-    return found[1].params, theirs
+    return found[1].params
 
 
-def _layers(config: config_lib.Config, stack: str, block: int, units: int) -> list[int]:
-    """Model layers of the units of one block of a stack (`Transformer`'s order)."""
-    m = config.model
-    if stack == "dense":
-        return list(range(units))
-    return [m.first_k_dense + u * m.moe_every + block for u in range(units)]
+def _layers(config: config_lib.Config, stack: str, block: int) -> list[int]:
+    """Model layers of one block of a stack, unit by unit (`block_of` inverted)."""
+    where = (block_of(config, i)[:3] for i in range(config.model.num_layers))
+    return [i for i, (s, _, b) in enumerate(where) if (s, b) == (stack, block)]
 
 
 def _upcycled(config: config_lib.Config, source, fresh):
@@ -141,7 +139,7 @@ def _upcycled(config: config_lib.Config, source, fresh):
             out[path] = src[path]
             continue
         block, name = rest.split("/", 1)
-        layers = jnp.array(_layers(config, stack, int(block), leaf.shape[0]))
+        layers = jnp.array(_layers(config, stack, int(block)))
         moe = stack == "moe" and int(block) == config.model.moe_every - 1
         if name == "ffn/router":  # fresh; a copy's g experts share its column
             out[path] = jnp.repeat(leaf[..., : e.num_experts // g], g, axis=-1)
@@ -174,7 +172,7 @@ def _experts(dense: jax.Array, name: str, g: int, n: int) -> jax.Array:
 def initial_params(config: config_lib.Config, layout, fresh, say=print):
     """The run's starting parameters from `train.init_from`, placed like `fresh` (this
     run's freshly initialised parameters, whose router an upcycle keeps)."""
-    source, _ = _source_params(config, layout, say)
+    source = _source_params(config, layout, say)
     if config.train.upcycle == "none":
         return source
     shardings = jax.tree.map(lambda x: x.sharding, fresh)

@@ -10,6 +10,7 @@ one `Family`; what differs between them is its names and its `config.json` keys.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -284,7 +285,7 @@ class Tensors:
 
 def _linear(name: str, out_shape: tuple[int, ...], in_shape: tuple[int, ...]) -> Tensors:
     """A torch Linear weight [out, in] as a moe_jax [*in_shape, *out_shape] matrix."""
-    rows, cols = _prod(out_shape), _prod(in_shape)
+    rows, cols = math.prod(out_shape), math.prod(in_shape)
     return Tensors(
         {name: (rows, cols)},
         lambda get: get(name)[...].T.reshape(*in_shape, *out_shape),
@@ -292,14 +293,8 @@ def _linear(name: str, out_shape: tuple[int, ...], in_shape: tuple[int, ...]) ->
     )
 
 
-def _linear_in(name: str, out: int, in_shape: tuple[int, ...]) -> Tensors:
-    """A torch Linear [out, prod(in_shape)] as moe_jax's [*in_shape, out] (the output
-    projection [h, head_dim, d])."""
-    return _linear(name, (out,), in_shape)
-
-
 def _vector(name: str, shape: tuple[int, ...]) -> Tensors:
-    size = _prod(shape)
+    size = math.prod(shape)
     return Tensors(
         {name: (size,)},
         lambda get: get(name)[...].reshape(shape),
@@ -309,13 +304,6 @@ def _vector(name: str, shape: tuple[int, ...]) -> Tensors:
 
 def _same(name: str, shape: tuple[int, ...]) -> Tensors:
     return Tensors({name: shape}, lambda get: get(name)[...], lambda w: {name: w})
-
-
-def _prod(shape: tuple[int, ...]) -> int:
-    out = 1
-    for n in shape:
-        out *= n
-    return out
 
 
 def layer_tensors(family: Family, config: Config, layer: int, moe: bool) -> dict[str, Tensors]:
@@ -331,15 +319,14 @@ def layer_tensors(family: Family, config: Config, layer: int, moe: bool) -> dict
         "attn/query": _linear(p + "self_attn.q_proj.weight", (h, hd), (d,)),
         "attn/key": _linear(p + "self_attn.k_proj.weight", (kv, hd), (d,)),
         "attn/value": _linear(p + "self_attn.v_proj.weight", (kv, hd), (d,)),
-        "attn/out": _linear_in(p + "self_attn.o_proj.weight", d, (h, hd)),
+        "attn/out": _linear(p + "self_attn.o_proj.weight", (d,), (h, hd)),  # [h, hd, d]
     }
+    projections = (("query", "q", h), ("key", "k", kv), ("value", "v", kv))
     if m.qkv_bias:
-        for short, heads in (("q", h), ("k", kv), ("v", kv)):
-            name = {"q": "query", "k": "key", "v": "value"}[short]
+        for name, short, heads in projections:
             out[f"attn/{name}_bias"] = _vector(p + f"self_attn.{short}_proj.bias", (heads, hd))
     if m.qk_norm != "none":
-        for short, heads in (("q", h), ("k", kv)):
-            name = {"q": "query", "k": "key"}[short]
+        for name, short, heads in projections[:2]:
             shape = (hd,) if m.qk_norm == "head" else (heads, hd)
             out[f"attn/{name}_norm/scale"] = _vector(p + f"self_attn.{short}_norm.weight", shape)
     if not moe:

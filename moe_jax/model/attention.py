@@ -112,13 +112,15 @@ class Attention(nnx.Module):
         self.query_bias = bias(h, AXES.query_bias) if cfg.qkv_bias else None
         self.key_bias = bias(kv, AXES.key_bias) if cfg.qkv_bias else None
         self.value_bias = bias(kv, AXES.value_bias) if cfg.qkv_bias else None
-        norm = {
-            "head": lambda heads, names: RMSNorm(hd, cfg.norm_eps, names[1:]),
-            "projection": lambda heads, names: RMSNorm((heads, hd), cfg.norm_eps, names),
-        }
-        make_norm = norm.get(cfg.qk_norm)
-        self.query_norm = make_norm(h, AXES.query_norm) if make_norm else None
-        self.key_norm = make_norm(kv, AXES.key_norm) if make_norm else None
+
+        def norm(heads: int, names):  # over each head's [hd], or the projection's [heads, hd]
+            if cfg.qk_norm == "head":
+                return RMSNorm(hd, cfg.norm_eps, names[1:])
+            return (
+                RMSNorm((heads, hd), cfg.norm_eps, names) if cfg.qk_norm == "projection" else None
+            )
+
+        self.query_norm, self.key_norm = norm(h, AXES.query_norm), norm(kv, AXES.key_norm)
         self.rope_theta, self.norm_eps = cfg.rope_theta, cfg.norm_eps
         self.attention_impl, self.dtype = cfg.attention_impl, cfg.dtype
         self.layout = layout
