@@ -60,8 +60,13 @@ def check(config: config_lib.Config) -> None:
     tc = config.train
     if not tc.init_from:
         return
-    _, source, _ = _source(Path(tc.init_from))
+    kind, source, _ = _source(Path(tc.init_from))
     where = f"train.init_from={tc.init_from!r}"
+    if config.parallel.stages > 1 and (kind == "hf" or tc.upcycle != "none"):
+        raise ValueError(
+            f"{where}: a Hugging Face source or train.upcycle needs parallel.stages=1; start "
+            "unpipelined, then train pipelined from that run (its checkpoints are canonical)"
+        )
     if tc.upcycle == "none":
         ours, theirs = (checkpoint.architecture(dataclasses.asdict(c)) for c in (config, source))
         for key in sorted(ours):

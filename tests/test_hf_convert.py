@@ -197,6 +197,8 @@ def test_parity_holds_under_sp_and_ep_a2a(built, tmp_path, architecture: str):
         ("wrong shape", "tensor model.norm.weight has shape [39], expected [40]"),
         ("unknown tensor", "tensor model.layers.0.mlp.extra.weight is not used"),
         ("missing tensor", "tensor model.layers.2.self_attn.q_proj.weight is missing"),
+        ("no hidden_size", "config.json has no 'hidden_size' setting"),
+        ("truncated shard", "model.safetensors is not a readable safetensors file"),
     ],
 )
 def test_bad_checkpoints_are_refused_in_one_line_writing_nothing(
@@ -209,6 +211,13 @@ def test_bad_checkpoints_are_refused_in_one_line_writing_nothing(
         (hf / "config.json").write_text(
             json.dumps({**config, "architectures": ["DeepseekV3ForCausalLM"]})
         )
+    elif damage == "no hidden_size":
+        config = json.loads((hf / "config.json").read_text())
+        del config["hidden_size"]
+        (hf / "config.json").write_text(json.dumps(config))
+    elif damage == "truncated shard":
+        shard = hf / "model.safetensors"
+        shard.write_bytes(shard.read_bytes()[:100])
     elif damage == "missing shard":
         index = {"weight_map": {k: "model-00001-of-00002.safetensors" for k in tensors}}
         index["weight_map"]["lm_head.weight"] = "model-00002-of-00002.safetensors"

@@ -142,3 +142,16 @@ def test_init_from_and_upcycle_from_the_command_line(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "moe" / "metrics.jsonl").open()]
     losses = [r["loss"] for r in rows if "loss" in r]
     assert len(losses) == 2 and all(np.isfinite(losses))
+
+
+def test_upcycling_into_a_pipeline_is_refused_in_one_line(tmp_path):
+    """The upcycle builds [layers, ...] stacks; a pipelined run holds [repeats, ...]."""
+    _saved_run(DENSE, tmp_path / "dense")
+    train = dataclasses.replace(DENSE.train, init_from=str(tmp_path / "dense"), upcycle="copy")
+    moe = config_lib.MoEConfig(**EXACT["copy"])
+    model = dataclasses.replace(DENSE.model, first_k_dense=1)
+    parallel = config_lib.ParallelConfig(stages=2, microbatches=2)
+    config = dataclasses.replace(DENSE, model=model, moe=moe, train=train, parallel=parallel)
+    with pytest.raises(ValueError, match=r"train\.upcycle needs parallel\.stages=1") as error:
+        init_from.check(config)
+    assert "\n" not in str(error.value)

@@ -24,8 +24,14 @@ def read_hf_config(directory: Path) -> tuple[Family, Config, dict[str, Any]]:
     path = directory / "config.json"
     if not path.is_file():
         raise ValueError(f"{directory}: no config.json (a Hugging Face checkpoint directory)")
-    hf = json.loads(path.read_text())
-    family, config = families.to_config(hf, str(directory))
+    try:
+        hf = json.loads(path.read_text())
+    except ValueError as error:
+        raise ValueError(f"{path} is not JSON ({error})") from None
+    try:
+        family, config = families.to_config(hf, str(directory))
+    except KeyError as key:
+        raise ValueError(f"{path} has no {key} setting, which its family needs") from None
     return family, config, hf
 
 

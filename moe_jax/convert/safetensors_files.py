@@ -54,7 +54,13 @@ class SafetensorsDir:
         self.shapes: dict[str, tuple[int, ...]] = {}
         with jax.default_device(cpu):
             for name in files:
-                handle = safe_open(str(directory / name), framework="flax")
+                try:
+                    handle = safe_open(str(directory / name), framework="flax")
+                except Exception as error:  # safetensors' own error types vary by damage
+                    reason = (str(error).splitlines() or [type(error).__name__])[0]
+                    raise ValueError(
+                        f"{directory / name} is not a readable safetensors file ({reason})"
+                    ) from None
                 for key in handle.keys():  # noqa: SIM118 (a safe_open handle, not a dict)
                     self._handles[key] = handle
                     self.shapes[key] = tuple(handle.get_slice(key).get_shape())
