@@ -11,7 +11,7 @@ import jax
 
 from moe_jax.config import Config, ParallelConfig
 from moe_jax.parallel import mesh as mesh_lib
-from moe_jax.parallel.layout import PIPELINE
+from moe_jax.parallel.scopes import PIPELINE
 from moe_jax.plan.resolve import check_plan
 from moe_jax.tools import hlo_collectives
 from moe_jax.train_step import abstract_state, with_shardings

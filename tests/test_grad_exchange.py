@@ -21,7 +21,8 @@ from jax.sharding import PartitionSpec as P
 from moe_jax.model.transformer import Transformer
 from moe_jax.moe.block import RouterBias
 from moe_jax.parallel import grad_exchange
-from moe_jax.parallel.layout import DATA, GRAD_EXCHANGE
+from moe_jax.parallel.layout import DATA
+from moe_jax.parallel.scopes import GRAD_EXCHANGE
 from moe_jax.tools import hlo_collectives, lowered_dtypes
 from moe_jax.train_step import loss_fn
 from tests.layouts import BASE, assert_leaves_close_in_norm, batch, planned, with_plan

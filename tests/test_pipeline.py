@@ -24,7 +24,8 @@ from jax.sharding import PartitionSpec as P
 from moe_jax.config import ParallelConfig
 from moe_jax.parallel import mesh as mesh_lib
 from moe_jax.parallel import pipeline
-from moe_jax.parallel.layout import MESH_AXES, PIPELINE, STAGE, Layout
+from moe_jax.parallel.layout import MESH_AXES, STAGE, Layout
+from moe_jax.parallel.scopes import PIPELINE
 from moe_jax.plan.resolve import check_plan
 from moe_jax.tools import hlo_collectives
 from tests.layouts import (
@@ -221,7 +222,7 @@ def test_overlap_and_compression_run_inside_the_stages():
     the same settings without a pipeline (the same intra group, `grad_accum=M`) within
     the bf16 sums' rounding, and the token and gradient exchanges sent as FP8 and bf16
     (read from the lowered program)."""
-    from moe_jax.parallel.layout import GRAD_EXCHANGE, TOKEN_EXCHANGE
+    from moe_jax.parallel.scopes import GRAD_EXCHANGE, TOKEN_EXCHANGE
     from moe_jax.tools import lowered_dtypes
 
     settings = dict(

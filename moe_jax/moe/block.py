@@ -21,7 +21,8 @@ from moe_jax.model.layers import MLP
 from moe_jax.moe import experts, losses
 from moe_jax.moe.dispatcher import TokenDispatcher
 from moe_jax.moe.routing import route, router_logits
-from moe_jax.parallel.layout import CHUNK, SINGLE_DEVICE, Layout
+from moe_jax.parallel.layout import SINGLE_DEVICE, Layout
+from moe_jax.parallel.scopes import chunk_scope
 
 
 class RouterBias(nnx.Variable):
@@ -76,7 +77,7 @@ def moe_forward(
         return y, stats
     outs, previous = [], None
     for c, part in enumerate(jnp.split(x, chunks, axis=1)):
-        with jax.named_scope(f"{CHUNK}{c}"):  # names each chunk's ops in the program
+        with jax.named_scope(chunk_scope(c)):  # names each chunk's ops in the program
             if previous is not None:
                 part, _ = jax.lax.optimization_barrier((part, previous))
             y, stats, previous = _chunk(part, params, cfg, dispatcher)

@@ -16,7 +16,7 @@ as one axis, with this device's index `me`):
   device (me + k) mod n and receives the one from (me - k) mod n (k = 0 stays here), so
   the GEMM that makes or consumes one block overlaps the next block's transfer.
 
-Each step runs under the name scope f"{RING}{i}", so the compiled program says which
+Each step i runs under the name scope `ring_scope(i)`, so the compiled program says which
 ring step a collective-permute belongs to. The backward of a ring is a ring: JAX
 transposes every `ppermute` into one that runs the other way.
 """
@@ -29,7 +29,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from moe_jax.parallel.layout import INTRA, RING, TOKEN_EXCHANGE
+from moe_jax.parallel.layout import INTRA
+from moe_jax.parallel.scopes import TOKEN_EXCHANGE, ring_scope
 
 
 def shift(x, n: int, by: int = 1):
@@ -49,7 +50,7 @@ def ring_gather(f: Callable, x, n: int, move: Callable | None = None) -> list:
     move = move or (lambda x: shift(x, n))
     outs = []
     for i in range(n):
-        with jax.named_scope(f"{RING}{i}"):
+        with jax.named_scope(ring_scope(i)):
             outs.append(f(x))
             if i < n - 1:
                 x = move(x)
@@ -61,10 +62,10 @@ def ring_reduce_scatter(part: Callable[[int], jax.Array], n: int) -> jax.Array:
     `part(j)` is this device's contribution to target (me - j) mod n."""
     if n == 1:
         return part(0)
-    with jax.named_scope(f"{RING}0"):
+    with jax.named_scope(ring_scope(0)):
         acc = part(1)
     for i in range(1, n):
-        with jax.named_scope(f"{RING}{i}"):
+        with jax.named_scope(ring_scope(i)):
             j = (i + 1) % n  # the last step adds this device's own block
             acc = shift(acc, n) + part(j)
     return acc
@@ -78,7 +79,7 @@ def pairwise_all_to_all(
     step's move into the one to run (an FP8 form compresses it)."""
     got = []
     for k in range(n):
-        with jax.named_scope(f"{RING}{k}"):
+        with jax.named_scope(ring_scope(k)):
             block = send((me() + k) % n)
             moved = wrap(partial(shift, n=n, by=k))(block) if k else block
             got.append(((me() - k) % n, moved))

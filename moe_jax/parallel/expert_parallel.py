@@ -54,7 +54,8 @@ from moe_jax.moe.routing import Routing, restrict
 from moe_jax.parallel import collective_matmul as cm
 from moe_jax.parallel.fp8_exchange import token_collective, wire_bytes
 from moe_jax.parallel.fsdp import gather_weights
-from moe_jax.parallel.layout import DATA, EXPERT, INTRA, ROUTER_STATS, TOKEN_EXCHANGE
+from moe_jax.parallel.layout import DATA, EXPERT, INTRA
+from moe_jax.parallel.scopes import ROUTER_STATS, TOKEN_EXCHANGE
 from moe_jax.parallel.spec import ExpertSpec, Sizes
 
 

@@ -30,7 +30,6 @@ from moe_jax.parallel import pipeline
 from moe_jax.parallel.layout import (
     DATA,
     EVERY,
-    GRAD_EXCHANGE,
     INTRA,
     STAGE,
     Layout,
@@ -38,6 +37,7 @@ from moe_jax.parallel.layout import (
     split_size,
     step_mapped,
 )
+from moe_jax.parallel.scopes import GRAD_EXCHANGE
 
 
 def _is_spec(s) -> bool:

@@ -33,20 +33,6 @@ INTRA = (EXPERT, TENSOR)  # the intra-node group as one axis
 MESH_AXES = (STAGE, DATA, EXPERT, TENSOR)
 ALL = (DATA, *INTRA)  # the devices of one pipeline stage
 EVERY = (STAGE, *ALL)  # the whole mesh
-# Name scopes that mark collectives in the compiled program, read by
-# `moe_jax.tools.comm_report`: tokens moved between layouts, and the router
-# statistics combined across devices, and the vocabulary-parallel loss's gathers and
-# reductions. Other collectives serve parameters.
-TOKEN_EXCHANGE, ROUTER_STATS, LOSS_EXCHANGE = "token_exchange", "router_stats", "loss_exchange"
-# `parallel.grad_exchange='bf16_a2a'`'s gradient all-to-alls (`moe_jax.parallel.grad_exchange`).
-GRAD_EXCHANGE = "grad_exchange"
-# Chunk c of a block run in `parallel.overlap_chunks` pieces is under scope f"{CHUNK}{c}".
-CHUNK = "chunk"
-# Step i of a collective matmul's ring (`parallel.collective_matmul`) is under f"{RING}{i}".
-RING = "ring"
-# The pipelined layer stack's tick loops, and its stage-to-stage sends
-# (`moe_jax.parallel.pipeline`).
-PIPELINE, STAGE_SEND = "pipeline", "stage_send"
 
 
 def axes_of(entry) -> tuple[str, ...]:

@@ -44,7 +44,8 @@ from jax.sharding import PartitionSpec as P
 
 from moe_jax.kernels.varying import varying_like
 from moe_jax.model.axes import PIPELINED
-from moe_jax.parallel.layout import PIPELINE, STAGE, STAGE_SEND, Layout
+from moe_jax.parallel.layout import STAGE, Layout
+from moe_jax.parallel.scopes import PIPELINE, STAGE_SEND
 
 
 def ticks(layout: Layout) -> int:

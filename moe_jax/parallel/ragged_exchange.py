@@ -68,7 +68,8 @@ from moe_jax.parallel.expert_parallel import (
     received_routing,
 )
 from moe_jax.parallel.fp8_exchange import indexed_token_collective
-from moe_jax.parallel.layout import INTRA, TOKEN_EXCHANGE
+from moe_jax.parallel.layout import INTRA
+from moe_jax.parallel.scopes import TOKEN_EXCHANGE
 from moe_jax.parallel.spec import Sizes
 
 NAME = "ep_a2a_ragged"  # the `parallel.experts` name this layout is registered under

@@ -22,7 +22,8 @@ from jax.sharding import PartitionSpec as P
 from moe_jax.model.layers import cast_like
 from moe_jax.parallel import checks
 from moe_jax.parallel import collective_matmul as cm
-from moe_jax.parallel.layout import DATA, INTRA, TOKEN_EXCHANGE, take_along
+from moe_jax.parallel.layout import DATA, INTRA, take_along
+from moe_jax.parallel.scopes import TOKEN_EXCHANGE
 from moe_jax.parallel.spec import AttentionSpec, Sizes
 
 

@@ -27,7 +27,8 @@ from moe_jax.model.layers import cast_like
 from moe_jax.parallel import checks
 from moe_jax.parallel import collective_matmul as cm
 from moe_jax.parallel.fp8_exchange import token_collective, wire_bytes
-from moe_jax.parallel.layout import CHUNK, DATA, INTRA, TOKEN_EXCHANGE, local_mlp, take_along
+from moe_jax.parallel.layout import DATA, INTRA, local_mlp, take_along
+from moe_jax.parallel.scopes import TOKEN_EXCHANGE, chunk_scope
 from moe_jax.parallel.spec import AttentionSpec, Sizes
 
 
@@ -101,7 +102,7 @@ def ulysses_attention(layout, block, x, positions, weights, axes, attend):
             outs = []
             pieces = zip(jnp.split(x, chunks), jnp.split(positions, chunks), strict=True)
             for c, (part, where) in enumerate(pieces):
-                with jax.named_scope(f"{CHUNK}{c}"):
+                with jax.named_scope(chunk_scope(c)):
                     outs.append(one(part, where, weights))
             return jnp.concatenate(outs)
 

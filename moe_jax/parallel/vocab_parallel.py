@@ -24,7 +24,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from moe_jax.model.layers import cast_like
-from moe_jax.parallel.layout import DATA, INTRA, LOSS_EXCHANGE, TOKEN_EXCHANGE
+from moe_jax.parallel.layout import DATA, INTRA
+from moe_jax.parallel.scopes import LOSS_EXCHANGE, TOKEN_EXCHANGE
 from moe_jax.parallel.spec import VocabSpec
 
 

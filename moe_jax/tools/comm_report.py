@@ -49,6 +49,7 @@ from absl import app, flags
 from moe_jax import cli
 from moe_jax import config as config_lib
 from moe_jax.parallel import mesh as mesh_lib
+from moe_jax.parallel import scopes
 from moe_jax.plan import comm_volume, param_traffic
 from moe_jax.plan.resolve import check_plan
 from moe_jax.tools import hlo_collectives, lowered_dtypes
@@ -97,7 +98,7 @@ def summarize(config: config_lib.Config, collectives: list) -> dict:
     m, p = config.model, config.parallel
     per_layer = m.num_layers * config.train.grad_accum
     forward = [c for c in collectives if c.role == "activation" and c.pass_ == "forward"]
-    measured = {tag: sum(c.total for c in forward if c.tag == tag) for tag in hlo_collectives.TAGS}
+    measured = {tag: sum(c.total for c in forward if c.tag == tag) for tag in scopes.TAGS}
     widened = sorted({f"{c.dtype} as {c.compiled_dtype}" for c in forward if c.compiled_dtype})
     predicted = _model(comm_volume.activation_bytes, config)
     paper = _model(comm_volume.paper_bytes, config)

@@ -19,7 +19,8 @@ collective over a group of g devices, with S the byte size of its per-device buf
 counts the loop's known trip count, multiplied along the chain of calling
 computations. `role` is 'activation' when the op's `op_name` metadata holds
 one of the named scopes the layouts put around their exchanges
-(`token_exchange`, `router_stats`, `loss_exchange`, and the pipeline's `stage_send`),
+(`moe_jax.parallel.scopes.TAGS`: `token_exchange`, `router_stats`, `loss_exchange`, and
+the pipeline's `stage_send`),
 else 'param_grad'. `pass_` is 'backward'
 when `op_name` holds `transpose(` (JAX's mark of the VJP), else 'forward'.
 
@@ -38,7 +39,8 @@ import re
 from collections.abc import Iterable
 from fractions import Fraction
 
-TAGS = ("token_exchange", "router_stats", "loss_exchange", "stage_send")
+from moe_jax.parallel.scopes import CHUNK, RING, TAGS
+
 KINDS = (
     "all-gather",
     "reduce-scatter",
@@ -83,8 +85,10 @@ _EXPLICIT_GROUPS = re.compile(r"replica_groups=\{(?P<groups>(?:\{[\d,\s]*\},?\s*
 _IOTA_GROUPS = re.compile(r"replica_groups=\[(?P<dims>[\d,\s]+)\]<=\[")
 _MESH_GROUPS = re.compile(r"replica_groups=mesh\[(?P<axes>[^\]]*)\]\s*\{(?P<names>[^}]*)\}")
 _PAIRS = re.compile(r"source_target_pairs=\{(?P<pairs>(?:\{\d+,\d+\},?)*)\}")
-_CHUNK = re.compile(r"/chunk(?P<c>\d+)/")  # the expert block's chunks (parallel.overlap_chunks)
-_RING = re.compile(r"/ring(?P<r>\d+)/")  # a collective matmul's steps (parallel.collective_matmul)
+_CHUNK = re.compile(rf"/{CHUNK}(?P<c>\d+)/")  # the expert block's chunks (parallel.overlap_chunks)
+_RING = re.compile(
+    rf"/{RING}(?P<r>\d+)/"
+)  # a collective matmul's steps (parallel.collective_matmul)
 _MODULE_SIZE = re.compile(r"\b(?P<key>num_partitions|replica_count)=(?P<value>\d+)")
 
 

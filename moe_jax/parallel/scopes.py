@@ -1,0 +1,33 @@
+"""Name scopes that mark ops in the compiled program: one table for writer and reader.
+
+The layouts in `moe_jax.parallel` put their exchanges, chunks and ring steps under
+these scopes (`jax.named_scope`); `moe_jax.tools.hlo_collectives` reads them back
+from each compiled op's `op_name` to tag what it counts. No jax import, so the
+reader stays jax-free.
+"""
+
+from __future__ import annotations
+
+# Tokens moved between layouts, the router statistics combined across devices, and
+# the vocabulary-parallel loss's gathers and reductions. Other collectives serve
+# parameters.
+TOKEN_EXCHANGE, ROUTER_STATS, LOSS_EXCHANGE = "token_exchange", "router_stats", "loss_exchange"
+# `parallel.grad_exchange='bf16_a2a'`'s gradient all-to-alls (`moe_jax.parallel.grad_exchange`).
+GRAD_EXCHANGE = "grad_exchange"
+# The pipelined layer stack's tick loops, and its stage-to-stage sends
+# (`moe_jax.parallel.pipeline`).
+PIPELINE, STAGE_SEND = "pipeline", "stage_send"
+# The scopes that make a collective an activation exchange, in the order the reader
+# tries them (`moe_jax.tools.hlo_collectives`' `tag`).
+TAGS = (TOKEN_EXCHANGE, ROUTER_STATS, LOSS_EXCHANGE, STAGE_SEND)
+# Chunk c of a block run in `parallel.overlap_chunks` pieces is under `chunk_scope(c)`,
+# step i of a collective matmul's ring (`parallel.collective_matmul`) under `ring_scope(i)`.
+CHUNK, RING = "chunk", "ring"
+
+
+def chunk_scope(c: int) -> str:
+    return f"{CHUNK}{c}"
+
+
+def ring_scope(i: int) -> str:
+    return f"{RING}{i}"
