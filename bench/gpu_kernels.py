@@ -35,7 +35,7 @@ import numpy as np
 from timing import median_seconds
 
 from moe_jax.config import MoEConfig
-from moe_jax.kernels import pallas_gmm, tokamax_gmm
+from moe_jax.kernels import pallas_gmm, requirements, tokamax_gmm
 from moe_jax.kernels.grouped_matmul import ragged_gmm, tiled_gmm
 from moe_jax.kernels.routed_gmm import gather_gmm, gmm_scatter
 from moe_jax.moe import dispatch as dsp
@@ -118,7 +118,7 @@ def implementations(tile: int) -> tuple[dict, list[str]]:
     }
     notes = []
     if tokamax_gmm.missing():
-        notes.append(f"tokamax skipped: not installed ({tokamax_gmm.INSTALL})")
+        notes.append(f"tokamax skipped: not installed ({requirements.TOKAMAX_INSTALL})")
     else:
         impls["tokamax"] = tokamax_gmm.tokamax_gmm  # tokamax's own choice per device
         if GPU:

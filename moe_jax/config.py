@@ -14,6 +14,9 @@ from typing import Any
 
 import ml_collections
 
+from moe_jax import names
+from moe_jax.kernels import requirements
+
 SCORE_FNS = ("softmax", "sigmoid")
 MOE_IMPLS = ("auto", "tiled", "ragged_dot", "pallas", "tokamax", "capacity", "dense")
 DTYPES = ("float32", "bfloat16")
@@ -411,31 +414,23 @@ def validate(config: Config) -> None:
 
 def _validate_attention_impl(m: ModelConfig) -> None:
     """What any platform allows (the platform is checked with the plan, in
-    `moe_jax.parallel.registry.problems`); imported here as it imports jax."""
-    from moe_jax.kernels.attention import problems
-
-    found = problems(m.attention_impl, m.dtype)
+    `moe_jax.parallel.registry.problems`)."""
+    found = requirements.attention_problems(m.attention_impl, m.dtype)
     if found:
         raise ValueError(found[0])
 
 
 def _validate_moe_impl(e: MoEConfig) -> None:
-    """`tokamax` needs its optional package (imported here only when chosen)."""
-    if e.impl == "tokamax":
-        from moe_jax.kernels.tokamax_gmm import missing
-
-        problem = missing()
-        if problem:
-            raise ValueError(problem)
+    """`tokamax` needs its optional package (found here; imported with the plan)."""
+    if e.impl == "tokamax" and not requirements.tokamax_installed():
+        raise ValueError(requirements.TOKAMAX_MISSING)
 
 
 def _validate_parallel(p: ParallelConfig) -> None:
-    """Layout names come from the layout registry and GPU names from the planner's
-    presets (imported here: both modules import this one)."""
-    from moe_jax.parallel.registry import ATTENTION, EXPERTS
-    from moe_jax.plan.hardware import GPUS
-
-    attention, experts, gpus = tuple(ATTENTION), (*EXPERTS, "auto"), ("", *GPUS)
+    """Layout and GPU names from `moe_jax.names` (the registry's and the presets'
+    names, without importing them)."""
+    attention, experts = names.ATTENTION_LAYOUTS, (*names.EXPERT_LAYOUTS, "auto")
+    gpus = ("", *names.GPU_PRESETS)
     _positive(p, "parallel", "intra")
     _check(p.data >= 0, "parallel.data", p.data, "must be >= 0 (0 uses every device)")
     _check(p.attention in attention, "parallel.attention", p.attention, f"valid: {attention}")

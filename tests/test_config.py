@@ -12,7 +12,8 @@ import pytest
 
 from moe_jax import config as config_lib
 from moe_jax.config import Config, load, to_config_dict, validate
-from moe_jax.kernels import tokamax_gmm
+from moe_jax.kernels import requirements, tokamax_gmm
+from moe_jax.parallel import registry
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -195,7 +196,7 @@ def test_config_module_lists_match_validation():
     for score_fn in config_lib.SCORE_FNS:
         load({"moe": {"score_fn": score_fn}})
     for impl in config_lib.MOE_IMPLS:
-        if impl == "tokamax" and tokamax_gmm.missing():
+        if impl == "tokamax" and not requirements.tokamax_installed():
             continue  # optional package; its absence is tested below
         extra = {"capacity_factor": 1.0} if impl == "capacity" else {}
         load({"moe": {"impl": impl, **extra}})
@@ -206,11 +207,22 @@ def test_config_module_lists_match_validation():
 
 
 def test_tokamax_without_the_package_is_one_line_error(monkeypatch):
-    """`moe.impl=tokamax` where tokamax does not import is refused at load, in one line
+    """`moe.impl=tokamax` where tokamax is not installed is refused at load, in one line
     naming the setting and the install command."""
-    monkeypatch.setattr(tokamax_gmm, "_module", lambda: None)
+    monkeypatch.setattr(requirements, "tokamax_installed", lambda: False)
     with pytest.raises(ValueError) as info:
         load({"moe": {"impl": "tokamax"}})
     message = str(info.value)
     assert "\n" not in message and _names_setting(message, "moe.impl"), message
     assert "pip install tokamax" in message, message
+
+
+def test_tokamax_installed_but_broken_is_refused_with_the_plan(monkeypatch):
+    """An installed tokamax that does not import passes the load (which only finds the
+    package) and is refused by the plan check, before anything compiles, with the same
+    line."""
+    monkeypatch.setattr(requirements, "tokamax_installed", lambda: True)
+    monkeypatch.setattr(tokamax_gmm, "_module", lambda: None)
+    config = load({"moe": {"impl": "tokamax"}, "parallel": {"experts": "ep_a2a", "data": 1}})
+    found = registry.problems(config, num_devices=1, platform="cpu")
+    assert found == [requirements.TOKAMAX_MISSING], found

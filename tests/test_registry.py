@@ -3,9 +3,9 @@
 * `moe_jax.parallel` imports nothing from `moe_jax.plan` (checked in a process where
   importing `moe_jax.plan` fails);
 * no module of the planner, the tools or the config compares layout names;
-* a new layout is one new spec: registered under a new name, a copy of an existing
-  spec is accepted by the config, checked, planned, modelled and run like the
-  original.
+* a new layout is one new spec: registered under a new name (and listed in the
+  config's jax-free `moe_jax.names`), a copy of an existing spec is accepted by the
+  config, checked, planned, modelled and run like the original.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from moe_jax import names
 from moe_jax.config import load, to_config_dict
 from moe_jax.moe.block import moe_forward
 from moe_jax.parallel import mesh as mesh_lib
@@ -66,12 +67,12 @@ def test_parallel_imports_nothing_from_plan():
 
 
 def test_no_layout_name_comparisons_outside_the_registry():
-    names = "|".join(map(re.escape, [*registry.ATTENTION, *registry.EXPERTS]))
+    layouts = "|".join(map(re.escape, [*registry.ATTENTION, *registry.EXPERTS]))
     patterns = [
-        rf'[=!]=\s*"({names})"',  # == "sp"
-        rf'"({names})"\s*[=!]=',
-        rf'\bin\s*[(\[{{]\s*"({names})"\s*,',  # in ("tp", ...)
-        rf'[{{,]\s*"({names})"\s*:',  # {"tp": ...}
+        rf'[=!]=\s*"({layouts})"',  # == "sp"
+        rf'"({layouts})"\s*[=!]=',
+        rf'\bin\s*[(\[{{]\s*"({layouts})"\s*,',  # in ("tp", ...)
+        rf'[{{,]\s*"({layouts})"\s*:',  # {"tp": ...}
     ]
     files = [*sorted((ROOT / "moe_jax/plan").glob("*.py"))]
     files += [*sorted((ROOT / "moe_jax/tools").glob("*.py")), ROOT / "moe_jax/config.py"]
@@ -86,9 +87,12 @@ def test_no_layout_name_comparisons_outside_the_registry():
 
 @pytest.fixture
 def copied_layout(monkeypatch):
-    """`ep_a2a` registered once more, as `my_a2a`: one new spec, nothing else."""
+    """`ep_a2a` registered once more, as `my_a2a`: one new spec and its name in the
+    config's jax-free table (`moe_jax.names`, kept equal to the registry by a test),
+    nothing else."""
     spec = dataclasses.replace(registry.EXPERTS["ep_a2a"], name="my_a2a")
     monkeypatch.setitem(registry.EXPERTS, "my_a2a", spec)
+    monkeypatch.setattr(names, "EXPERT_LAYOUTS", (*names.EXPERT_LAYOUTS, "my_a2a"))
     return spec
 
 

@@ -18,6 +18,7 @@ from collections.abc import Callable
 import jax
 
 from moe_jax.kernels.blockwise_attention import blockwise_attention
+from moe_jax.kernels.requirements import attention_problems
 
 Attend = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
@@ -35,25 +36,6 @@ FUNCTIONS: dict[str, Attend] = {
     "cudnn": cudnn_attention,
     "blockwise": blockwise_attention,
 }
-IMPLS = ("auto", *FUNCTIONS)
-
-
-def problems(impl: str, dtype: str, platform: str | None = None) -> list[str]:
-    """Why `model.attention_impl=impl` cannot run in `dtype` (model.dtype) on `platform`
-    ('cpu', 'gpu', 'tpu'; None skips the platform check), as one-line messages."""
-    setting = f"model.attention_impl={impl!r} is invalid"
-    if impl not in IMPLS:
-        return [f"{setting}: valid: {IMPLS}"]
-    if impl == "cudnn" and dtype != "bfloat16":
-        return [
-            f"{setting}: 'cudnn' needs model.dtype='bfloat16', not {dtype!r}; "
-            "use 'blockwise', 'xla' or 'auto'"
-        ]
-    if impl == "cudnn" and platform not in (None, "gpu"):
-        return [
-            f"{setting}: 'cudnn' runs on GPU only, not {platform}; use 'blockwise', 'xla' or 'auto'"
-        ]
-    return []
 
 
 def resolve_impl(impl: str, dtype: str, platform: str | None = None) -> str:
@@ -69,7 +51,7 @@ def attention_fn(impl: str, dtype: str, platform: str | None = None) -> Attend:
     """The attention function for `model.attention_impl=impl` and `model.dtype=dtype`,
     or a one-line ValueError (before anything is compiled) when it cannot run here."""
     platform = platform or jax.default_backend()
-    found = problems(impl, dtype, platform)
+    found = attention_problems(impl, dtype, platform)
     if found:
         raise ValueError(found[0])
     return FUNCTIONS[resolve_impl(impl, dtype, platform)]

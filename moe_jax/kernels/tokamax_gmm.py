@@ -16,7 +16,7 @@ from types import ModuleType
 import jax
 import jax.numpy as jnp
 
-INSTALL = "pip install tokamax==0.0.17"
+from moe_jax.kernels.requirements import TOKAMAX_MISSING
 
 
 @functools.cache
@@ -30,12 +30,7 @@ def _module() -> ModuleType | None:
 
 def missing() -> str | None:
     """None when tokamax imports, else the one-line reason `moe.impl=tokamax` cannot run."""
-    if _module() is not None:
-        return None
-    return (
-        f"moe.impl='tokamax' is invalid: the optional tokamax package does not import here; "
-        f"{INSTALL}, or use 'auto', 'ragged_dot' or 'pallas'"
-    )
+    return None if _module() is not None else TOKAMAX_MISSING
 
 
 def tokamax_gmm(

@@ -3,12 +3,13 @@
 `parallel.attention` and `parallel.experts` name an entry here; everything else
 (the mesh, the blocks, parameter placement, the config check, the planner's
 candidates and models) reads the spec. Adding a layout is one new spec in the
-module that holds its block function, listed below.
+module that holds its block function, listed below, and its name in `moe_jax.names`
+(the config's jax-free table; tests/test_imports.py checks the two agree).
 """
 
 from __future__ import annotations
 
-from moe_jax.kernels import attention as attention_impls
+from moe_jax.kernels import requirements, tokamax_gmm
 from moe_jax.parallel.expert_parallel import EP_A2A, EP_AG, EP_ETP, ETP
 from moe_jax.parallel.fsdp import FSDP
 from moe_jax.parallel.layout import DATA, DP, EXPERT, STAGE, TENSOR
@@ -157,7 +158,11 @@ def problems(config, num_devices: int, platform: str) -> list[str]:
             f"{e.capacity_factor} cannot decide drops over the whole group; use "
             "moe.capacity_factor=0 (dropless) or parallel.collective_matmul=False"
         )
-    found += attention_impls.problems(config.model.attention_impl, config.model.dtype, platform)
+    found += requirements.attention_problems(
+        config.model.attention_impl, config.model.dtype, platform
+    )
+    if e.impl == "tokamax" and tokamax_gmm.missing():  # installed (config found it), broken
+        found.append(tokamax_gmm.missing())
     if config.model.remat == "offload" and platform != "gpu":
         found.append(
             f"model.remat='offload' moves kept activations to pinned host memory, which "
