@@ -20,7 +20,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from moe_jax import config as config_lib
-from moe_jax import config_help
+from moe_jax import config_help, quiet
 
 # The repository's configs, found from the package so that a command works from any
 # directory (`pip install -e .` keeps the package inside the repository).
@@ -152,7 +152,9 @@ def overridden(argv: list[str], config, sections: tuple[str, ...]) -> dict[str, 
 
 
 def parse(argv: list[str]) -> list[str]:
-    """absl's flags parser with every flag error as one line (exit status 1)."""
+    """absl's flags parser with every flag error as one line (exit status 1); then, unless
+    `--verbosity` is given, third-party INFO lines (jax's backend probing among them) and
+    the noise of `moe_jax.quiet` stay out of the command's output."""
     problem = check_config_args(argv)
     if problem:
         raise SystemExit(f"error: {problem}")
@@ -170,4 +172,6 @@ def parse(argv: list[str]) -> list[str]:
     except (KeyError, AttributeError, TypeError, ValueError) as error:
         message = str(error).strip("'\"").splitlines()[0]
         raise SystemExit(f"error: bad --config override: {message}") from None
+    if not flags.FLAGS["verbosity"].present:  # every command's rule: --verbosity shows them
+        quiet.quiet_libraries()
     return rest

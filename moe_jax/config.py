@@ -99,6 +99,15 @@ class ModelConfig:
     def num_moe_layers(self) -> int:
         return (self.num_layers - self.first_k_dense) // self.moe_every
 
+    def block_of(self, layer: int) -> tuple[str, int, int, bool]:
+        """The one rule for which layers are MoE: (stack, unit, block in the unit, is MoE)
+        of layer `layer`. `first_k_dense` 'dense' units of one block, then 'moe' units of
+        `moe_every - 1` dense blocks and one MoE block."""
+        if layer < self.first_k_dense:
+            return "dense", layer, 0, False
+        unit, block = divmod(layer - self.first_k_dense, self.moe_every)
+        return "moe", unit, block, block == self.moe_every - 1
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:

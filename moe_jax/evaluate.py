@@ -16,7 +16,7 @@ from pathlib import Path
 
 from absl import app, flags
 
-from moe_jax import cli, quiet
+from moe_jax import cli
 
 _CONFIG = cli.define_config_flag()
 _WORKDIR = flags.DEFINE_string("workdir", None, "The run directory whose checkpoint to score.")
@@ -64,8 +64,6 @@ def main(argv: list[str]) -> None:
     if _BATCHES.value < 0:
         raise SystemExit(f"error: --batches={_BATCHES.value} must be >= 0")
     given = cli.overridden(sys.argv, _CONFIG.value, SECTIONS)
-    if not flags.FLAGS["verbosity"].present:
-        quiet.quiet_libraries()
     workdir = Path(_WORKDIR.value)
     try:
         step, loss, tokens = score(workdir, given, _SPLIT.value, _BATCHES.value)

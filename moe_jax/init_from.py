@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from moe_jax import checkpoint
 from moe_jax import config as config_lib
 from moe_jax.checkpoint import Checkpointer
-from moe_jax.convert.hf_import import block_of, load_params, param_paths, read_hf_config
+from moe_jax.convert.hf_import import load_params, param_paths, read_hf_config
 from moe_jax.parallel import mesh as mesh_lib
 from moe_jax.plan.resolve import check_plan
 from moe_jax.train_step import abstract_state, with_shardings
@@ -129,8 +129,8 @@ def _source_params(config: config_lib.Config, layout, say):
 
 
 def _layers(config: config_lib.Config, stack: str, block: int) -> list[int]:
-    """Model layers of one block of a stack, unit by unit (`block_of` inverted)."""
-    where = (block_of(config, i)[:3] for i in range(config.model.num_layers))
+    """Model layers of one block of a stack, unit by unit (`ModelConfig.block_of` inverted)."""
+    where = (config.model.block_of(i)[:3] for i in range(config.model.num_layers))
     return [i for i, (s, _, b) in enumerate(where) if (s, b) == (stack, block)]
 
 
@@ -145,7 +145,7 @@ def _upcycled(config: config_lib.Config, source, fresh):
             continue
         block, name = rest.split("/", 1)
         layers = jnp.array(_layers(config, stack, int(block)))
-        moe = stack == "moe" and int(block) == config.model.moe_every - 1
+        moe = config.model.block_of(int(layers[0]))[3]
         if name == "ffn/router":  # fresh; a copy's g experts share its column
             out[path] = jnp.repeat(leaf[..., : e.num_experts // g], g, axis=-1)
             continue

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from absl import app, flags
 
-from moe_jax import cli, quiet
+from moe_jax import cli
 
 _CONFIG = cli.define_config_flag()
 _WORKDIR = flags.DEFINE_string("workdir", None, "The run directory to sample from.")
@@ -107,8 +107,6 @@ def main(argv: list[str]) -> None:
         raise SystemExit("error: sample needs --workdir=RUN (a run directory)")
     _check_flags()
     given = cli.overridden(sys.argv, _CONFIG.value, ("parallel",))
-    if not flags.FLAGS["verbosity"].present:
-        quiet.quiet_libraries()
     settings = dict(
         max_new_tokens=_MAX_NEW.value,
         temperature=_TEMPERATURE.value,

@@ -44,9 +44,7 @@ def _main(argv: list[str]) -> None:
         config = config_lib.load(_CONFIG.value)
     except ValueError as error:
         raise SystemExit(f"error: {error}") from None
-    verbose = flags.FLAGS["verbosity"].present
-    if not verbose:
-        quiet.quiet_libraries()
+    verbose = flags.FLAGS["verbosity"].present  # quiet otherwise (`cli.parse`)
     config_path = flags.FLAGS["config"].config_filename
     workdir = Path(_WORKDIR.value or Path("runs") / Path(config_path).stem)
 

@@ -8,110 +8,23 @@ updated by the sign rule after each step, never by gradients).
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from moe_jax.config import Config, TrainConfig
-from moe_jax.model.loss import auto_chunks
-from moe_jax.model.transformer import Transformer
+from moe_jax import optimizer
+from moe_jax.config import Config
+from moe_jax.model.loss import loss_chunks
 from moe_jax.moe.balancing import update_bias
-from moe_jax.moe.block import RouterBias
+from moe_jax.optimizer import decay_mask as decay_mask  # re-exported: the optimizer's names
+from moe_jax.optimizer import learning_rate
+from moe_jax.optimizer import make_optimizer as make_optimizer
 from moe_jax.parallel import grad_exchange
 from moe_jax.parallel import mesh as mesh_lib
-from moe_jax.parallel.layout import SINGLE_DEVICE, Layout
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class TrainState:
-    step: jax.Array
-    params: nnx.State
-    biases: nnx.State
-    opt_state: optax.OptState
-    rng: jax.Array  # raw uint32 key data, so checkpoints hold plain arrays
-
-
-def learning_rate(cfg: TrainConfig) -> optax.Schedule:
-    """Linear warmup to the peak over `warmup_steps`, then `schedule`:
-
-    * `cosine`, `linear`: decay to min_lr_ratio * peak at the last step;
-    * `constant`: the peak to the end;
-    * `wsd` (warmup-stable-decay): the peak until the last `wsd_decay_fraction` of
-      the steps, then linear decay to the floor (a run can be extended, or branched
-      into a decay, from any checkpoint of the stable phase);
-    * `inverse_sqrt`: peak * sqrt(warmup / step), never under the floor.
-    """
-    peak, floor = cfg.learning_rate, cfg.learning_rate * cfg.min_lr_ratio
-    warmup = optax.linear_schedule(0.0, peak, max(cfg.warmup_steps, 1))
-    after = max(cfg.steps - cfg.warmup_steps, 1)  # steps after the warmup
-    if cfg.schedule == "cosine":
-        decay = optax.cosine_decay_schedule(peak, after, alpha=cfg.min_lr_ratio)
-    elif cfg.schedule == "linear":
-        decay = optax.linear_schedule(peak, floor, after)
-    elif cfg.schedule == "constant":
-        decay = optax.constant_schedule(peak)
-    elif cfg.schedule == "wsd":
-        # A warmup reaching into the decay window shortens the decay, not the floor.
-        decaying = min(max(round(cfg.steps * cfg.wsd_decay_fraction), 1), after)
-        stable = max(after - decaying, 0)
-        decay = optax.linear_schedule(peak, floor, decaying, transition_begin=stable)
-    else:  # inverse_sqrt; join_schedules counts steps from the end of the warmup
-        warm = max(cfg.warmup_steps, 1)
-        decay = lambda step: jnp.maximum(peak * jnp.sqrt(warm / (step + warm)), floor)
-    return optax.join_schedules([warmup, decay], [cfg.warmup_steps])
-
-
-def decay_mask(cfg: TrainConfig):
-    """Weight decay on matrices; never on biases; norm scales (the q/k norms' too) and
-    the embedding table as configured."""
-
-    def decays(path, leaf) -> bool:
-        names = {str(getattr(p, "key", getattr(p, "name", ""))) for p in path}
-        if any(name.endswith("_bias") for name in names):
-            return False
-        if "scale" in names:
-            return cfg.decay_norms
-        if "table" in names:
-            return cfg.decay_embeddings
-        return leaf.ndim >= 2
-
-    return lambda params: jax.tree_util.tree_map_with_path(decays, params)
-
-
-def _adamw(cfg: TrainConfig) -> optax.GradientTransformation:
-    return optax.adamw(
-        learning_rate(cfg),
-        cfg.b1,
-        cfg.b2,
-        eps=cfg.eps,
-        weight_decay=cfg.weight_decay,
-        mask=decay_mask(cfg),
-    )
-
-
-def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    """AdamW after global-norm clipping: the optimizer whose state checkpoints hold
-    (`apply_gradients` runs its two parts itself)."""
-    if cfg.grad_clip > 0:
-        return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), _adamw(cfg))
-    return _adamw(cfg)
-
-
-def build_model(config: Config, layout: Layout = SINGLE_DEVICE) -> Transformer:
-    return Transformer(config.model, config.moe, rngs=nnx.Rngs(config.train.seed), layout=layout)
-
-
-def init_state(config: Config, layout: Layout = SINGLE_DEVICE):
-    """(graphdef, TrainState) for a freshly initialised model laid out by `layout`."""
-    model = build_model(config, layout)
-    graphdef, params, biases = nnx.split(model, nnx.Param, RouterBias)
-    opt_state = make_optimizer(config.train).init(params)
-    rng = jax.random.key_data(jax.random.key(config.train.seed))
-    return graphdef, TrainState(jnp.zeros((), jnp.int32), params, biases, opt_state, rng)
+from moe_jax.parallel.layout import Layout
+from moe_jax.train_state import TrainState, init_state  # the state: `moe_jax.train_state`
+from moe_jax.train_state import build_model as build_model
 
 
 def abstract_state(config: Config, layout: Layout):
@@ -135,11 +48,6 @@ def init_program(config: Config, layout: Layout, shardings):
 def init_placed(config: Config, layout: Layout, shardings):
     """The initial TrainState, made by `init_program`."""
     return init_program(config, layout, shardings)()
-
-
-def loss_chunks(config: Config, batch: int, seq: int) -> int:
-    """`train.loss_chunks`, or with 0 the automatic choice for this micro-batch."""
-    return config.train.loss_chunks or auto_chunks(batch, seq, config.model.vocab_size)
 
 
 def loss_fn(params, biases, graphdef, batch, config: Config):
@@ -285,7 +193,7 @@ def apply_gradients(config: Config, state: TrainState, metrics: dict, grads):
     if cfg.grad_clip > 0:  # optax.clip_by_global_norm's rule
         scale = jnp.minimum(1.0, cfg.grad_clip / grad_norm)
         grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
-    adamw, rate = _adamw(cfg), config.moe.bias_update_rate
+    adamw, rate = optimizer.adamw(cfg), config.moe.bias_update_rate
 
     def update(current):
         params, opt_state, biases = current

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from absl import app, flags
 
-from moe_jax import cli, quiet
+from moe_jax import cli
 from moe_jax import config as config_lib
 
 _CONFIG = cli.define_config_flag()
@@ -40,8 +40,6 @@ def main(argv: list[str]) -> None:
         config = config_lib.load(_CONFIG.value)
     except ValueError as error:
         raise SystemExit(f"error: {error}") from None
-    if not flags.FLAGS["verbosity"].present:
-        quiet.quiet_libraries()
     from moe_jax.convert import commands  # after validation: slow imports
 
     hf, workdir = Path(_HF.value), Path(_WORKDIR.value)

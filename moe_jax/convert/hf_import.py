@@ -35,23 +35,13 @@ def read_hf_config(directory: Path) -> tuple[Family, Config, dict[str, Any]]:
     return family, config, hf
 
 
-def block_of(config: Config, layer: int) -> tuple[str, int, int, bool]:
-    """(stack, unit, block in unit, is MoE) of model layer `layer` (`Transformer`'s
-    dense prefix, then units of moe_every - 1 dense blocks and one MoE block)."""
-    m = config.model
-    if layer < m.first_k_dense:
-        return "dense", layer, 0, False
-    unit, block = divmod(layer - m.first_k_dense, m.moe_every)
-    return "moe", unit, block, block == m.moe_every - 1
-
-
 def sources(family: Family, config: Config, fused: set[int]) -> dict[str, Any]:
     """moe_jax parameter path -> its `Tensors`: one for an unstacked parameter, a list
     over units for a stacked one, a list over units of lists over experts for experts.
     `fused`: the layers whose experts are stored fused."""
     out: dict[str, Any] = dict(families.global_tensors(config))
     for layer in range(config.model.num_layers):
-        stack, unit, block, moe = block_of(config, layer)
+        stack, unit, block, moe = config.model.block_of(layer)
         tensors = families.layer_tensors(family, config, layer, moe)
         if layer in fused:
             tensors.update(families.fused_expert_tensors(config, layer))

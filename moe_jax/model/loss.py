@@ -10,12 +10,16 @@ holds its own share of every chunk, so chunking moves no data between devices.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from moe_jax.kernels.varying import varying_zeros
+
+if TYPE_CHECKING:
+    from moe_jax.config import Config
 
 # Auto chunking keeps one chunk's float32 logits (for the whole batch) under this size,
 # and chunks at least this many positions long.
@@ -34,6 +38,11 @@ def auto_chunks(batch: int, seq: int, vocab: int) -> int:
     ):
         chunks *= 2
     return chunks
+
+
+def loss_chunks(config: Config, batch: int, seq: int) -> int:
+    """`train.loss_chunks`, or with 0 the automatic choice for this micro-batch."""
+    return config.train.loss_chunks or auto_chunks(batch, seq, config.model.vocab_size)
 
 
 def cross_entropy_sum(x: jax.Array, head: jax.Array, targets: jax.Array) -> jax.Array:

@@ -947,10 +947,8 @@ def _sync_time(traffic: list[tuple[float, int, Link]]) -> float:
 
 
 def _is_moe_layer(m, index: int) -> bool:
-    """The model's rule: `first_k_dense` dense layers, then every `moe_every`-th is MoE."""
-    if index < m.first_k_dense:
-        return False
-    return (index - m.first_k_dense) % m.moe_every == m.moe_every - 1
+    """The model's rule (`ModelConfig.block_of`)."""
+    return m.block_of(index)[3]
 
 
 def _with_accumulation(config: Config, micro_batches: int) -> Config:

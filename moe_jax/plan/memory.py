@@ -22,11 +22,12 @@ from flax import nnx
 
 from moe_jax.config import Config, ModelConfig, MoEConfig, TrainConfig
 from moe_jax.model.axes import PIPELINED
+from moe_jax.model.loss import loss_chunks
 from moe_jax.moe.experts import resolve_impl
 from moe_jax.parallel import mesh, registry
 from moe_jax.parallel.layout import DATA, INTRA, Layout, split_size
 from moe_jax.plan.comm_volume import DTYPE_BYTES
-from moe_jax.train_step import init_state, loss_chunks
+from moe_jax.train_state import init_state
 
 FP32 = 4
 
@@ -135,8 +136,11 @@ def device_bytes(config: Config, array: StateArray) -> int:
 def units(config: Config) -> list[tuple[str, int]]:
     """The repeated units in order: ('dense', 1) per dense-prefix layer, then
     ('moe', moe_every) per MoE unit (moe_every - 1 dense blocks and one MoE block)."""
-    m = config.model
-    return [("dense", 1)] * m.first_k_dense + [("moe", m.moe_every)] * m.num_moe_layers
+    blocks: dict[tuple[str, int], int] = {}  # by `ModelConfig.block_of`, the model's rule
+    for layer in range(config.model.num_layers):
+        stack, unit, _, _ = config.model.block_of(layer)
+        blocks[stack, unit] = blocks.get((stack, unit), 0) + 1
+    return [(stack, count) for (stack, _), count in blocks.items()]
 
 
 def _state_bytes(config: Config) -> dict[str, int]:

@@ -1,0 +1,44 @@
+"""The train state: the model's parameters and router biases, the optimizer's state, the
+step counter and the RNG key, and how a fresh one is made.
+
+Why a module of its own: the planner's memory model (`moe_jax.plan.memory`) traces the
+state's shapes, and planning must not depend on the training step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from moe_jax.config import Config
+from moe_jax.model.transformer import Transformer
+from moe_jax.moe.block import RouterBias
+from moe_jax.optimizer import make_optimizer
+from moe_jax.parallel.layout import SINGLE_DEVICE, Layout
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    step: jax.Array
+    params: nnx.State
+    biases: nnx.State
+    opt_state: optax.OptState
+    rng: jax.Array  # raw uint32 key data, so checkpoints hold plain arrays
+
+
+def build_model(config: Config, layout: Layout = SINGLE_DEVICE) -> Transformer:
+    return Transformer(config.model, config.moe, rngs=nnx.Rngs(config.train.seed), layout=layout)
+
+
+def init_state(config: Config, layout: Layout = SINGLE_DEVICE):
+    """(graphdef, TrainState) for a freshly initialised model laid out by `layout`."""
+    model = build_model(config, layout)
+    graphdef, params, biases = nnx.split(model, nnx.Param, RouterBias)
+    opt_state = make_optimizer(config.train).init(params)
+    rng = jax.random.key_data(jax.random.key(config.train.seed))
+    return graphdef, TrainState(jnp.zeros((), jnp.int32), params, biases, opt_state, rng)
