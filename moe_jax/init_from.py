@@ -144,8 +144,9 @@ def _upcycled(config: config_lib.Config, source, fresh):
             out[path] = src[path]
             continue
         block, name = rest.split("/", 1)
-        layers = jnp.array(_layers(config, stack, int(block)))
-        moe = config.model.block_of(int(layers[0]))[3]
+        numbers = _layers(config, stack, int(block))
+        layers = jnp.array(numbers)
+        moe = config.model.block_of(numbers[0])[3]
         if name == "ffn/router":  # fresh; a copy's g experts share its column
             out[path] = jnp.repeat(leaf[..., : e.num_experts // g], g, axis=-1)
             continue
