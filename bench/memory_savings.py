@@ -1,10 +1,11 @@
 """What each memory feature saves on Mixtral-8x7B, per device, by the planner's memory model.
 
-Why: the README's "Memory" section quotes these figures; this script is where they come
-from. It takes the plan the planner chooses for 64 H100 (pp=1, gradients synchronised
-per micro-batch as the trainer compiles them, model.remat='selective'), prints the
-per-device breakdown the trainer prints at start-up, then switches one feature off at a
-time and prints what the device would need without it. Nothing is compiled: the model
+Why: the "Memory" section of docs/planner-and-memory.md quotes these figures; this
+script is where they come from. It takes the plan the planner chooses for 64 H100
+(pp=1, gradients synchronised per micro-batch as the trainer compiles them,
+model.remat='selective'), prints the per-device breakdown the trainer prints at
+start-up, then switches one feature off at a time and prints what the device would
+need without it. Nothing is compiled: the model
 traces shapes only (tests/test_plan_memory.py checks it against XLA).
 
     python bench/memory_savings.py [--gpus 64] [--gpu h100]

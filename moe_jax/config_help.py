@@ -1,6 +1,6 @@
-"""What every setting means: the one source of `--config_help` and of the README's
-configuration reference (`python -m moe_jax.config_help` prints that table;
-tests/test_readme.py checks the README holds it unchanged)."""
+"""What every setting means: the one source of `--config_help` and of the configuration
+reference in docs/configuration.md (`python -m moe_jax.config_help --markdown` prints that
+table; tests/test_docs.py checks the page holds it unchanged)."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ MEANINGS: dict[str, str] = {
     "moe.impl": (
         "expert compute: `auto`, `tiled`, `ragged_dot`, `pallas`, `tokamax` (the optional "
         "tokamax package's grouped GEMM: `pip install tokamax==0.0.17`), `capacity` or `dense` "
-        "(see above)"
+        "(docs/model.md)"
     ),
     "moe.tile_size": "rows per tile of the `tiled` grouped matmul; 0 = auto",
     "moe.aux_loss_coef": "weight of the batch load-balancing loss (Switch)",
@@ -134,7 +134,8 @@ MEANINGS: dict[str, str] = {
         "expert layout: `ep_ag` (all-gather tokens, local experts, reduce-scatter), `ep_a2a` "
         "(all-to-all to the experts' owners and back), `ep_a2a_ragged` (the same with "
         "`ragged_all_to_all`, GPU only), `etp` (every expert's width split n ways), `ep_etp` "
-        "(experts over n/etp devices, width over etp), or `auto` (the paper's rule, below)"
+        "(experts over n/etp devices, width over etp), or `auto` (the paper's rule: `ep_ag` when "
+        "`moe.top_k / parallel.intra` exceeds `parallel.ag_threshold`)"
     ),
     "parallel.a2a_buffer_factor": (
         "`ep_a2a`, `ep_a2a_ragged`: rows of each per-destination buffer as a multiple of the "
@@ -205,7 +206,7 @@ MEANINGS: dict[str, str] = {
 }
 
 
-def settings() -> list[tuple[str, object, str]]:
+def rows() -> list[tuple[str, object, str]]:
     """(setting, default, meaning) of every setting, in the config's order."""
     rows = []
     for section, cls in config_lib.SECTIONS.items():
@@ -216,18 +217,18 @@ def settings() -> list[tuple[str, object, str]]:
 
 
 def markdown() -> str:
-    """The README's configuration table."""
+    """The configuration table of docs/configuration.md."""
     lines = ["| setting | default | meaning |", "|---|---|---|"]
-    lines += [f"| `{name}` | `{default!r}` | {meaning} |" for name, default, meaning in settings()]
+    lines += [f"| `{name}` | `{default!r}` | {meaning} |" for name, default, meaning in rows()]
     return "\n".join(lines)
 
 
 def text() -> str:
     """The same, for a terminal (`--config_help`)."""
-    width = max(len(name) for name, _, _ in settings())
+    width = max(len(name) for name, _, _ in rows())
     return "\n".join(
         f"{name:<{width}}  {default!r:<12} {meaning.replace('`', '')}"
-        for name, default, meaning in settings()
+        for name, default, meaning in rows()
     )
 
 

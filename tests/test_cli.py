@@ -19,9 +19,9 @@ def test_default_config_is_found_from_any_directory(tmp_path):
 
 @pytest.mark.parametrize("command", CONFIG_COMMANDS)
 def test_config_help_lists_every_setting(tmp_path, command: str):
-    from moe_jax.config_help import settings
+    from moe_jax.config_help import rows
 
     run = run_command(tmp_path, command, ["--config_help"], 120)
     assert run.returncode == 0, run.stderr[-2000:]
     listed = [line.split()[0] for line in run.stdout.strip().splitlines()]
-    assert listed == [name for name, _, _ in settings()]
+    assert listed == [name for name, _, _ in rows()]

@@ -1,6 +1,6 @@
 """transformers' side of a conversion check: a script for any Python that has torch and
 transformers (the parity tests run it in the Python 3.11 environment `make test`
-builds, .venv-hf; see the README). moe_jax never imports it, and it never imports
+builds, .venv-hf; see docs/weights.md). moe_jax never imports it, and it never imports
 moe_jax: the two sides hand tokens, logits and expert choices over as files.
 
     python transformers_side.py build ARCH OUT   a tiny random ARCH model, saved per
