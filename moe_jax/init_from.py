@@ -32,6 +32,7 @@ from moe_jax import config as config_lib
 from moe_jax.checkpoint import Checkpointer
 from moe_jax.convert.hf_import import load_params, param_paths, read_hf_config
 from moe_jax.parallel import mesh as mesh_lib
+from moe_jax.parallel import pipeline
 from moe_jax.plan.resolve import check_plan
 from moe_jax.train_step import abstract_state, with_shardings
 
@@ -60,13 +61,8 @@ def check(config: config_lib.Config) -> None:
     tc = config.train
     if not tc.init_from:
         return
-    kind, source, _ = _source(Path(tc.init_from))
+    _, source, _ = _source(Path(tc.init_from))
     where = f"train.init_from={tc.init_from!r}"
-    if config.parallel.stages > 1 and (kind == "hf" or tc.upcycle != "none"):
-        raise ValueError(
-            f"{where}: a Hugging Face source or train.upcycle needs parallel.stages=1; start "
-            "unpipelined, then train pipelined from that run (its checkpoints are canonical)"
-        )
     if tc.upcycle == "none":
         ours, theirs = (checkpoint.architecture(dataclasses.asdict(c)) for c in (config, source))
         for key in sorted(ours):
@@ -107,12 +103,25 @@ def check(config: config_lib.Config) -> None:
             )
 
 
+def _unpipelined(config: config_lib.Config) -> config_lib.Config:
+    """This run's plan without its pipeline, on the same devices in the same order: its
+    stages become data groups (a pipelined batch splits into them)."""
+    p = config.parallel
+    if p.stages == 1:
+        return config
+    flat = dataclasses.replace(p, stages=1, microbatches=1, repeats=1, data=p.data * p.stages)
+    return dataclasses.replace(config, parallel=flat)
+
+
 def _source_params(config: config_lib.Config, layout, say):
-    """The source's parameters, placed on this run's mesh under this run's plan."""
+    """The source's parameters in their canonical form ([layers, ...] stacks, as a
+    checkpoint holds them), placed on this run's devices under this run's plan without
+    its pipeline (`_unpipelined`)."""
     kind, source, family = _source(Path(config.train.init_from))
-    theirs = dataclasses.replace(config, model=source.model, moe=source.moe)
+    theirs = dataclasses.replace(_unpipelined(config), model=source.model, moe=source.moe)
     theirs = check_plan(theirs, jax.device_count())
-    their_layout = mesh_lib.make_layout(theirs, layout.mesh)
+    devices = layout.mesh.devices.reshape(-1)
+    their_layout = mesh_lib.make_layout(theirs, mesh_lib.make_mesh(theirs, devices))
     _, abstract = abstract_state(theirs, their_layout)
     shardings = mesh_lib.train_state_shardings(abstract, their_layout, theirs.parallel.zero)
     path = Path(config.train.init_from)
@@ -177,9 +186,13 @@ def _experts(dense: jax.Array, name: str, g: int, n: int) -> jax.Array:
 
 def initial_params(config: config_lib.Config, layout, fresh, say=print):
     """The run's starting parameters from `train.init_from`, placed like `fresh` (this
-    run's freshly initialised parameters, whose router an upcycle keeps)."""
+    run's freshly initialised parameters, whose router an upcycle keeps): made in the
+    canonical form, then held as this run's pipeline holds them (`pipeline.staged`)."""
     source = _source_params(config, layout, say)
-    if config.train.upcycle == "none":
-        return source
-    shardings = jax.tree.map(lambda x: x.sharding, fresh)
-    return jax.jit(lambda s, f: _upcycled(config, s, f), out_shardings=shardings)(source, fresh)
+    if config.train.upcycle != "none":
+        canonical = pipeline.canonical(fresh)
+        shardings = jax.tree.map(lambda x: x.sharding, canonical)
+        upcycle = jax.jit(lambda s, f: _upcycled(config, s, f), out_shardings=shardings)
+        source = upcycle(source, canonical)
+    held = pipeline.staged(source, fresh)
+    return jax.device_put(held, jax.tree.map(lambda x: x.sharding, fresh))

@@ -18,6 +18,7 @@ from moe_jax.config import Config
 from moe_jax.model.transformer import Transformer
 from moe_jax.moe.block import RouterBias
 from moe_jax.optimizer import make_optimizer
+from moe_jax.parallel import pipeline
 from moe_jax.parallel.layout import SINGLE_DEVICE, Layout
 
 
@@ -32,7 +33,10 @@ class TrainState:
 
 
 def build_model(config: Config, layout: Layout = SINGLE_DEVICE) -> Transformer:
-    return Transformer(config.model, config.moe, rngs=nnx.Rngs(config.train.seed), layout=layout)
+    """The model laid out by `layout`, its MoE stack held as the layout's pipeline runs
+    it (`moe_jax.parallel.pipeline.hold`)."""
+    model = Transformer(config.model, config.moe, rngs=nnx.Rngs(config.train.seed), layout=layout)
+    return pipeline.hold(model, layout)
 
 
 def init_state(config: Config, layout: Layout = SINGLE_DEVICE):

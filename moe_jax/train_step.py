@@ -20,7 +20,7 @@ from moe_jax.moe.balancing import update_bias
 from moe_jax.optimizer import decay_mask as decay_mask  # re-exported: the optimizer's names
 from moe_jax.optimizer import learning_rate
 from moe_jax.optimizer import make_optimizer as make_optimizer
-from moe_jax.parallel import grad_exchange
+from moe_jax.parallel import grad_exchange, per_device_step
 from moe_jax.parallel import mesh as mesh_lib
 from moe_jax.parallel.layout import Layout
 from moe_jax.train_state import TrainState, init_state  # the state: `moe_jax.train_state`
@@ -86,12 +86,6 @@ def _layout(graphdef, state: TrainState) -> Layout:
     return nnx.merge(graphdef, state.params, state.biases).layout
 
 
-def _per_device(layout: Layout) -> bool:
-    """Whether the step runs per device in one shard_map over the mesh: for the bf16
-    gradient exchange, and for a pipeline (its stages pass micro-batches by ppermute)."""
-    return layout.grad_exchange == "bf16_a2a" or layout.pipeline_run is not None
-
-
 def _param_specs(state: TrainState, layout: Layout):
     return jax.tree.map(lambda s: s.spec, mesh_lib.state_shardings(state.params, layout))
 
@@ -114,18 +108,19 @@ def pipelined_loss(config: Config):
 def gradients(state: TrainState, graphdef, batch, config: Config):
     """Mean loss metrics and gradients over `grad_accum` micro-batches (or a pipeline's
     `parallel.microbatches`). With `parallel.grad_exchange='bf16_a2a'` or a pipeline
-    they are computed per device and the gradients summed by
-    `moe_jax.parallel.grad_exchange` (placed as it leaves them)."""
+    they are computed per device (`moe_jax.parallel.per_device_step`) and the gradients
+    summed there (placed as it leaves them)."""
     layout = _layout(graphdef, state)
-    if not _per_device(layout):
+    if not per_device_step.runs_per_device(layout):
         return accumulated(state.params, state.biases, graphdef, batch, config, loss_fn)
     specs = _param_specs(state, layout)
-    loss = pipelined_loss(config) if layout.pipeline_run is not None else loss_fn
+    loss = pipelined_loss(config) if layout.pipelined else loss_fn
+    graphdef = per_device_step.per_device_graph(graphdef, state.params, state.biases)
 
     def per_device(params, biases, batch, loss_of):
         return accumulated(params, biases, graphdef, batch, config, loss_of(loss))
 
-    metrics, grads = grad_exchange.step_gradients(
+    metrics, grads = per_device_step.step_gradients(
         layout, per_device, state.params, state.biases, batch, specs
     )
     if layout.grad_exchange == "fp32":
@@ -220,10 +215,11 @@ def apply_gradients(config: Config, state: TrainState, metrics: dict, grads):
 def eval_step(graphdef, config: Config, state: TrainState, batch) -> jax.Array:
     """Mean next-token cross-entropy (nats per token) on one batch."""
     layout = _layout(graphdef, state)
-    if layout.pipeline_run is None:
+    if not layout.pipelined:
         _, metrics = loss_fn(state.params, state.biases, graphdef, batch, config)
         return metrics["lm_loss"]
+    graphdef = per_device_step.per_device_graph(graphdef, state.params, state.biases)
     loss = lambda params, biases, batch: loss_fn(params, biases, graphdef, batch, config)
     specs = _param_specs(state, layout)
-    metrics = grad_exchange.step_loss(layout, loss, state.params, state.biases, batch, specs)
+    metrics = per_device_step.step_loss(layout, loss, state.params, state.biases, batch, specs)
     return metrics["lm_loss"]

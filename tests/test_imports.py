@@ -115,6 +115,37 @@ def test_no_import_circle_in_the_package():
     assert cycle is None, "import circle: " + " -> ".join(cycle)
 
 
+PIPELINE_FIELDS = {"pipeline_run", "pipelined", "stages", "microbatches", "repeats", "per_device"}
+
+
+def _attributes_read(path: pathlib.Path) -> set[str]:
+    return {n.attr for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Attribute)}
+
+
+def test_model_code_reads_no_pipeline_setting():
+    """The pipeline is applied to a finished model (`parallel.pipeline.hold`) and the
+    step's per-device form set on it from outside (`parallel.per_device_step`): no
+    module of `moe_jax/model/` or `moe_jax/moe/` reads a pipeline field or imports the
+    pipeline. The check itself sees such a read (`parallel/pipeline.py` has some)."""
+    assert PIPELINE_FIELDS & _attributes_read(PACKAGE / "parallel" / "pipeline.py")
+    graph = import_graph()
+    for folder in ("model", "moe"):
+        for path in sorted((PACKAGE / folder).glob("*.py")):
+            read = PIPELINE_FIELDS & _attributes_read(path)
+            assert not read, f"{path.relative_to(REPO_ROOT)} reads {sorted(read)}"
+            assert "moe_jax.parallel.pipeline" not in graph[_module_name(path)], path
+
+
+def test_no_module_over_500_lines():
+    """Small modules with one job: none of the package's over 500 lines."""
+    long = {
+        str(p.relative_to(REPO_ROOT)): n
+        for p in PACKAGE.rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > 500
+    }
+    assert not long, long
+
+
 def test_name_tables_equal_their_owners():
     """The jax-free tables the config checks against list exactly the registry's
     layouts, the planner's GPU presets and the attention functions, in their order."""

@@ -18,6 +18,7 @@ from moe_jax import config as config_lib
 from moe_jax import init_from, saved_run
 from moe_jax.checkpoint import Checkpointer
 from moe_jax.convert.hf_import import param_paths
+from moe_jax.parallel import pipeline
 from moe_jax.train_step import init_program
 from tests.commands import ROOT, subprocess_env
 from tests.test_trainer import TINY
@@ -144,14 +145,34 @@ def test_init_from_and_upcycle_from_the_command_line(tmp_path):
     assert len(losses) == 2 and all(np.isfinite(losses))
 
 
-def test_upcycling_into_a_pipeline_is_refused_in_one_line(tmp_path):
-    """The upcycle builds [layers, ...] stacks; a pipelined run holds [repeats, ...]."""
-    _saved_run(DENSE, tmp_path / "dense")
-    train = dataclasses.replace(DENSE.train, init_from=str(tmp_path / "dense"), upcycle="copy")
+def _upcycled_params(source, parallel: config_lib.ParallelConfig):
+    """This run's upcycled parameters (5 layers, the first dense) in canonical form, on
+    the host, under `parallel`."""
+    model = dataclasses.replace(DENSE.model, num_layers=5, first_k_dense=1)
+    train = dataclasses.replace(DENSE.train, init_from=str(source), upcycle="copy")
     moe = config_lib.MoEConfig(**EXACT["copy"])
-    model = dataclasses.replace(DENSE.model, first_k_dense=1)
-    parallel = config_lib.ParallelConfig(stages=2, microbatches=2)
     config = dataclasses.replace(DENSE, model=model, moe=moe, train=train, parallel=parallel)
-    with pytest.raises(ValueError, match=r"train\.upcycle needs parallel\.stages=1") as error:
-        init_from.check(config)
-    assert "\n" not in str(error.value)
+    init_from.check(config)
+    config, layout, _, fresh = _fresh(config)
+    params = init_from.initial_params(config, layout, fresh.params)
+    return params, jax.device_get(pipeline.canonical(params))
+
+
+def test_upcycling_into_a_pipeline_holds_the_unpipelined_upcycle(tmp_path):
+    """The upcycle is made in the canonical [layers, ...] form, then held as the
+    pipeline holds it ([repeats, layers / repeats, ...], split over stages): the same
+    values as the unpipelined upcycle's, leaf by leaf (the fresh routers are the same:
+    one seed, one canonical form)."""
+    dense = dataclasses.replace(DENSE.model, num_layers=5, first_k_dense=5)
+    _saved_run(dataclasses.replace(DENSE, model=dense), tmp_path / "dense")
+    flat = config_lib.ParallelConfig(attention="dp", experts="ep_a2a", intra=2, data=4)
+    piped = dataclasses.replace(flat, data=1, stages=4, microbatches=4)
+    circular = dataclasses.replace(flat, data=2, stages=2, microbatches=2, repeats=2)
+    _, want = _upcycled_params(tmp_path / "dense", flat)
+    for parallel in (piped, circular):
+        held, got = _upcycled_params(tmp_path / "dense", parallel)
+        gate = param_paths(held)["moe/units/blocks/0/ffn/gate"]
+        r = parallel.repeats
+        assert gate.shape == ((r, 4 // r) if r > 1 else (4,)) + (4, 24, 40)
+        for name, leaf in param_paths(want).items():
+            np.testing.assert_array_equal(param_paths(got)[name], leaf, name)

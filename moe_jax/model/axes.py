@@ -1,8 +1,7 @@
 """Logical axis names for parameters and activations.
 
 Model code names axes only logically ('batch', 'seq', 'embed', 'heads',
-'kv_heads', 'head_dim', 'mlp', 'experts', 'vocab', 'layers', and the pipelined
-stack's 'repeats' and 'stage_layers'). How those map
+'kv_heads', 'head_dim', 'mlp', 'experts', 'vocab', 'layers'). How those map
 onto mesh axes is decided in `moe_jax.parallel`: parameters by the layout's
 `param_rules`. Activations carry no annotation: each layout's `shard_map` specs
 say where they are between blocks (`Layout.activation_spec`), and under plain
@@ -19,9 +18,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 AxisNames = tuple[str | None, ...]
-# The pipelined layer stack's leading axes: [repeats, layers / repeats, ...], the second
-# split over pipeline stages; its canonical (checkpoint) form is [layers, ...].
-PIPELINED = ("repeats", "stage_layers")
 
 
 def param(

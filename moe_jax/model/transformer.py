@@ -1,9 +1,10 @@
 """Decoder-only transformer: pre-norm blocks, dense prefix, then MoE layers.
 
 Layers are stacked and applied with `lax.scan`, so compile time does not grow
-with depth. A stack repeats one unit: the dense prefix repeats a single dense
-block; the MoE part repeats `moe_every - 1` dense blocks followed by one MoE
-block.
+with depth. A stack is one unit many times over: the dense prefix's unit is a single
+dense block; the MoE part's is `moe_every - 1` dense blocks followed by one MoE
+block. The MoE stack runs through `Layout.stack`, so a layout may hold and run it its
+own way (a pipeline over stages, applied from outside: `moe_jax.parallel.pipeline`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from flax import nnx
 from moe_jax.config import ModelConfig, MoEConfig
 from moe_jax.model import remat
 from moe_jax.model.attention import Attention
-from moe_jax.model.axes import PIPELINED, param
+from moe_jax.model.axes import param
 from moe_jax.model.layers import MLP, Embed, RMSNorm
 from moe_jax.model.loss import chunked_cross_entropy
 from moe_jax.moe.block import MoE, MoEStats
@@ -44,13 +45,12 @@ class Block(nnx.Module):
 
 
 class Unit(nnx.Module):
-    """The repeated unit of a stack: dense blocks, optionally ending in one MoE block."""
+    """The repeated unit of a stack: its blocks in order, each dense or an MoE."""
 
-    def __init__(self, cfg: ModelConfig, moe: MoEConfig | None, num_dense: int, *, rngs, layout):
-        blocks = [Block(cfg, None, rngs=rngs, layout=layout) for _ in range(num_dense)]
-        if moe is not None:
-            blocks.append(Block(cfg, moe, rngs=rngs, layout=layout))
-        self.blocks = nnx.List(blocks)
+    def __init__(self, cfg: ModelConfig, moe: MoEConfig, kinds: tuple[bool, ...], *, rngs, layout):
+        self.blocks = nnx.List(
+            [Block(cfg, moe if is_moe else None, rngs=rngs, layout=layout) for is_moe in kinds]
+        )
 
     def __call__(self, x: jax.Array, positions: jax.Array):
         stats = None
@@ -60,39 +60,42 @@ class Unit(nnx.Module):
         return x, stats
 
 
-class Stack(nnx.Module):
-    """`repeats` copies of a unit with parameters stacked on a leading 'layers' axis.
+def stacks(cfg: ModelConfig) -> dict[str, tuple[int, tuple[bool, ...]]]:
+    """stack name -> (its units, whether each block of a unit is an MoE block), read off
+    the one rule for which layers are MoE (`ModelConfig.block_of`)."""
+    out: dict[str, tuple[int, tuple[bool, ...]]] = {}
+    for layer in range(cfg.num_layers):
+        stack, unit, _, is_moe = cfg.block_of(layer)
+        units, kinds = out.get(stack, (0, ()))
+        out[stack] = (max(units, unit + 1), (*kinds, is_moe) if unit == 0 else kinds)
+    return out
 
-    A `pipelined` stack runs through `layout.stack` (the pipeline, where the layout has
-    one); its parameters are then held as [layout.repeats, layers / repeats, ...] (the
-    second axis split over stages, `axes.PIPELINED`; with one repeat, [layers, ...] split
-    over stages), the same values in the same order as the [layers, ...] they are
-    created as and checkpointed in."""
+
+class Stack(nnx.Module):
+    """`count` copies of a unit (blocks of `kinds`, True for MoE) with parameters stacked
+    on a leading 'layers' axis, run by one scan; `through_layout`: by `Layout.stack`,
+    which may run the stack (as held there) its own way."""
 
     def __init__(
         self,
         cfg: ModelConfig,
-        moe,
-        num_dense: int,
-        repeats: int,
+        moe: MoEConfig,
+        kinds: tuple[bool, ...],
+        count: int,
         *,
         rngs,
         layout,
-        pipelined: bool = False,
+        through_layout: bool = False,
     ):
-        @nnx.split_rngs(splits=repeats)
+        @nnx.split_rngs(splits=count)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def make(rngs: nnx.Rngs) -> Unit:
-            return Unit(cfg, moe, num_dense, rngs=rngs, layout=layout)
+            return Unit(cfg, moe, kinds, rngs=rngs, layout=layout)
 
         self.units = make(rngs)
         self.remat = cfg.remat
         self.layout = layout
-        self.pipelined = pipelined and layout.pipeline_run is not None
-        if self.pipelined:
-            for _, variable in nnx.iter_graph(self.units):
-                if isinstance(variable, nnx.Param):
-                    _to_pipelined(variable, layout.repeats)
+        self.through_layout = through_layout
 
     def __call__(self, x: jax.Array, positions: jax.Array):
         graphdef, params, rest = nnx.split(self.units, nnx.Param, ...)
@@ -103,21 +106,9 @@ class Stack(nnx.Module):
 
             return jax.lax.scan(remat.wrap(body, self.remat), x, (params, rest))
 
-        if self.pipelined:
+        if self.through_layout:
             return self.layout.stack(run_group, params, rest, x, positions)
         return run_group(params, rest, x, positions)
-
-
-def _to_pipelined(variable: nnx.Param, repeats: int) -> None:
-    """[layers, ...] -> [repeats, layers / repeats, ...] named `axes.PIPELINED` (with one
-    repeat, the same array named ('stage_layers', ...))."""
-    value = variable.get_value()
-    names = variable.get_metadata().get("out_sharding") or ("layers",)
-    if repeats == 1:
-        variable.set_metadata("out_sharding", (*PIPELINED[1:], *names[1:]))
-        return
-    variable.set_value(value.reshape(repeats, value.shape[0] // repeats, *value.shape[1:]))
-    variable.set_metadata("out_sharding", (*PIPELINED, *names[1:]))
 
 
 class Transformer(nnx.Module):
@@ -128,24 +119,13 @@ class Transformer(nnx.Module):
     ):
         self.cfg = cfg
         self.embed = Embed(cfg.vocab_size, cfg.embed_dim, rngs=rngs, layout=layout)
-        self.dense = (
-            Stack(cfg, None, 1, cfg.first_k_dense, rngs=rngs, layout=layout)
-            if cfg.first_k_dense
-            else None
-        )
-        self.moe = (
-            Stack(
-                cfg,
-                moe,
-                cfg.moe_every - 1,
-                cfg.num_moe_layers,
-                rngs=rngs,
-                layout=layout,
-                pipelined=True,
+        built = {
+            name: Stack(
+                cfg, moe, kinds, units, rngs=rngs, layout=layout, through_layout=name == "moe"
             )
-            if cfg.num_moe_layers
-            else None
-        )
+            for name, (units, kinds) in stacks(cfg).items()  # in layer order: the rngs' order
+        }
+        self.dense, self.moe = built.get("dense"), built.get("moe")
         self.final_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
         self.layout = layout
         self.head = (

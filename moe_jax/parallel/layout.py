@@ -14,8 +14,6 @@ blocks split experts over 'expert' and each expert's width over 'tensor'.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import math
 from collections.abc import Callable
@@ -55,22 +53,6 @@ def take_along(weights, axes, name: str, start, size: int):
         return jax.lax.dynamic_slice_in_dim(w, start, size, axis=names.index(name))
 
     return jax.tree.map(take, weights, axes, is_leaf=lambda t: isinstance(t, tuple))
-
-
-# Set while the step is traced inside one shard_map over the whole mesh
-# (`moe_jax.parallel.grad_exchange`): every array is then already per device, so each
-# block's own shard_map becomes a plain call of its body.
-_STEP_MAPPED = contextvars.ContextVar("step_mapped", default=False)
-
-
-@contextlib.contextmanager
-def step_mapped():
-    """Trace the blocks as per-device bodies: the caller runs them in its own shard_map."""
-    token = _STEP_MAPPED.set(True)
-    try:
-        yield
-    finally:
-        _STEP_MAPPED.reset(token)
 
 
 def local_attention_block(layout: Layout, block, x, positions, weights, axes, attend):
@@ -133,32 +115,36 @@ class Layout:
     pipeline_run: Callable | None = None
     microbatches: int = 1
     repeats: int = 1
+    # The blocks traced as per-device bodies inside the step's one shard_map over the
+    # mesh (`moe_jax.parallel.per_device_step`, which sets it on the model it runs):
+    # every array is then already one device's piece, so a block's own shard_map is a
+    # plain call of its body and a loss is one device's share.
+    per_device: bool = False
 
     @property
     def stages(self) -> int:
         return 1 if self.mesh is None else self.mesh.shape.get(STAGE, 1)
 
+    @property
+    def pipelined(self) -> bool:
+        """Whether the MoE stack runs as a pipeline over 'stage' (`stack`)."""
+        return self.pipeline_run is not None
+
     def stack(self, run_group, params, biases, x, positions):
         """`run_group(params, biases, x, positions) -> (y, stats)` (stacked layers, stats
         stacked over them) over the pipelined layer stack: as a pipeline over the 'stage'
         axis where there is one, else on the whole stack at once."""
-        if self.pipeline_run is None:
+        if not self.pipelined:
             return run_group(params, biases, x, positions)
         return self.pipeline_run(self, run_group, params, biases, x, positions)
 
     def block_map(self, body, in_specs, out_specs):
         """`body` run per device by a shard_map over the mesh with these specs; inside the
-        step-wide shard_map of `parallel.grad_exchange` the body itself, since its
-        arguments are already the per-device pieces those specs describe."""
-        if self.step_mapped:
+        step-wide shard_map (`per_device`) the body itself, since its arguments are
+        already the per-device pieces those specs describe."""
+        if self.per_device:
             return body
         return jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)
-
-    @property
-    def step_mapped(self) -> bool:
-        """Whether the blocks are being traced per device inside the step's own shard_map
-        (`parallel.grad_exchange='bf16_a2a'`), where a loss is one device's share."""
-        return _STEP_MAPPED.get()
 
     def positions(self, tokens: jax.Array) -> jax.Array:
         """Sequence positions of `tokens` [b, s]: as the attention blocks are handed them.
@@ -166,7 +152,7 @@ class Layout:
         positions, or the whole sequence for a layout whose blocks gather it."""
         b, s = tokens.shape
         start = 0
-        if self.step_mapped and self.seq_axes:
+        if self.per_device and self.seq_axes:
             if self.attention_spec.gathers_sequence:
                 s *= self.size(self.seq_axes)
             else:

@@ -2,15 +2,17 @@
 
 The MoE layer stack of U units is cut into R * S groups of U / (R S) units; group
 g = r S + s lives on stage s, so each stage holds R non-adjacent groups (`repeats`,
-the circular or interleaved schedule; R = 1 is plain GPipe). Its parameters are held
-as [R, U / R, ...] with the second axis split over 'stage' (`model.axes.PIPELINED`;
-with R = 1 the [U, ...] itself), a reshape of the canonical [U, ...] they are
-checkpointed as (`canonical`, `staged`).
+the circular or interleaved schedule; R = 1 is plain GPipe). The model builds the
+stack as [U, ...] and runs it through `Layout.stack`; `hold` then puts a finished
+model's stack in the form the pipeline runs, [R, U / R, ...] with the second axis split
+over 'stage' (`PIPELINED`; with R = 1 the [U, ...] itself, renamed), a reshape of the
+canonical [U, ...] it is checkpointed as (`canonical`, `staged`). The model itself
+reads no pipeline setting.
 
 Everything else (embedding, dense prefix, final norm, head and loss) runs outside the
 pipeline with 'stage' folded into the batch: stage s embeds and scores micro-batches
 s K .. (s + 1) K - 1 of its data group (K = M / S). One SPMD program, run per device
-inside the step's `shard_map` (`moe_jax.parallel.grad_exchange.step_mapped_call`):
+inside the step's `shard_map` (`moe_jax.parallel.per_device_step`):
 
 1. every stage sends its K embedded micro-batches to stage 0 (S - 1 collective-permutes),
 2. M R + S - 1 ticks: at tick t stage s runs iteration i = t - s (micro-batch i mod M,
@@ -43,9 +45,34 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moe_jax.kernels.varying import varying_like
-from moe_jax.model.axes import PIPELINED
 from moe_jax.parallel.layout import STAGE, Layout
 from moe_jax.parallel.scopes import PIPELINE, STAGE_SEND
+
+# The held stack's leading logical axes: [repeats, layers / repeats, ...], the second
+# split over stages (the layout's rules map 'stage_layers' to 'stage').
+PIPELINED = ("repeats", "stage_layers")
+
+
+def hold(model, layout: Layout):
+    """`model` (a finished `Transformer`) with its MoE stack's parameters in the form
+    this layout's pipeline runs (see the module docstring); unchanged without one."""
+    if layout.pipelined and model.moe is not None:
+        for _, variable in nnx.iter_graph(model.moe):
+            if isinstance(variable, nnx.Param):
+                _to_held(variable, layout.repeats)
+    return model
+
+
+def _to_held(variable: nnx.Param, repeats: int) -> None:
+    """[layers, ...] -> [repeats, layers / repeats, ...] named `PIPELINED` (with one
+    repeat, the same array named ('stage_layers', ...))."""
+    value = variable.get_value()
+    names = variable.get_metadata().get("out_sharding") or ("layers",)
+    if repeats == 1:
+        variable.set_metadata("out_sharding", (*PIPELINED[1:], *names[1:]))
+        return
+    variable.set_value(value.reshape(repeats, value.shape[0] // repeats, *value.shape[1:]))
+    variable.set_metadata("out_sharding", (*PIPELINED, *names[1:]))
 
 
 def ticks(layout: Layout) -> int:

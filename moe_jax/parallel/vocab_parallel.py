@@ -84,7 +84,7 @@ def cross_entropy(layout, x: jax.Array, head: jax.Array, targets: jax.Array) -> 
             total = jax.lax.psum(jnp.exp(logits - top[..., None]).sum(-1), INTRA)
             target = jax.lax.psum(picked, INTRA)
             group = (jnp.log(total) + top - target).sum()  # the group's, on each of its n
-            if layout.step_mapped:  # one device's share: the step's mean adds the rest
+            if layout.per_device:  # one device's share: the step's mean adds the rest
                 return group / layout.size(INTRA)
             return jax.lax.psum(group, DATA)
 

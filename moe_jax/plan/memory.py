@@ -21,11 +21,11 @@ import numpy as np
 from flax import nnx
 
 from moe_jax.config import Config, ModelConfig, MoEConfig, TrainConfig
-from moe_jax.model.axes import PIPELINED
 from moe_jax.model.loss import loss_chunks
 from moe_jax.moe.experts import resolve_impl
 from moe_jax.parallel import mesh, registry
 from moe_jax.parallel.layout import DATA, INTRA, Layout, split_size
+from moe_jax.parallel.pipeline import PIPELINED
 from moe_jax.plan.comm_volume import DTYPE_BYTES
 from moe_jax.train_state import init_state
 

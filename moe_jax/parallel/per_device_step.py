@@ -1,0 +1,125 @@
+"""The step run per device: the loss and its gradients inside one `shard_map` over the
+whole mesh.
+
+Why: two features need what GSPMD hides. The bf16 gradient exchange
+(`moe_jax.parallel.grad_exchange`) must see each device's unreduced gradient, and a
+pipeline (`moe_jax.parallel.pipeline`) passes micro-batches between stages by
+`ppermute`, which only exists per device. Here every parameter enters as its own shard,
+made device-varying over the mesh axes it is replicated on, so autodiff leaves each
+device its partial gradient, summed over the devices that share the parameter on the
+way out.
+
+The model runs with `Layout.per_device` set (`per_device_graph`): its blocks are then
+traced as per-device bodies (a block's own shard_map is a plain call of its body,
+`Layout.block_map`) and a loss is one device's share, averaged here
+(`mean_over_devices`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from moe_jax.kernels.varying import varying_axes
+from moe_jax.parallel import grad_exchange, pipeline
+from moe_jax.parallel.grad_exchange import is_spec, summed_axes
+from moe_jax.parallel.layout import EVERY, Layout
+
+
+def runs_per_device(layout: Layout) -> bool:
+    """Whether a step of this layout runs here: for the bf16 gradient exchange, and for a
+    pipeline."""
+    return layout.grad_exchange == "bf16_a2a" or layout.pipelined
+
+
+def per_device_graph(graphdef, *states):
+    """The model graph of `graphdef` with every module's layout marked `per_device`, for
+    `nnx.merge` with the same states inside the step's shard_map."""
+    model = nnx.merge(graphdef, *states)
+    layout = dataclasses.replace(model.layout, per_device=True)
+    for _, node in nnx.iter_graph(model):
+        if isinstance(getattr(node, "layout", None), Layout):
+            node.layout = layout
+    return nnx.graphdef(model)
+
+
+def _mean_of(x: jax.Array) -> jax.Array:
+    """The mean over all devices; over an axis `x` does not vary over it is itself."""
+    axes = tuple(a for a in EVERY if a in varying_axes(x))
+    return jax.lax.pmean(x, axes) if axes else x
+
+
+def mean_over_devices(loss_fn):
+    """`loss_fn` (-> (loss, metrics) on one device's tokens) as the mean over all devices:
+    the whole batch's loss, each device computing its share."""
+
+    def mean_loss(*args):
+        loss, metrics = loss_fn(*args)
+        return _mean_of(loss), jax.tree.map(_mean_of, metrics)
+
+    return mean_loss
+
+
+def _step_batch(layout: Layout, batch):
+    """(batch as the step's shard_map takes it, its spec, the per-device reshape)."""
+    if layout.pipelined:
+        batch, spec = pipeline.microbatch_major(batch, layout)
+        return batch, spec, pipeline.local_batch
+    return batch, layout.activation_spec(rank=2), lambda b: b
+
+
+def step_loss(layout: Layout, loss_fn, params, biases, batch, specs):
+    """`loss_fn(params, biases, batch) -> (loss, metrics)` on one device's tokens (a model
+    of `per_device_graph`), run per device in one shard_map over the mesh; returns the
+    mean metrics over all devices. What a pipelined model needs even without gradients."""
+    batch, batch_spec, local = _step_batch(layout, batch)
+
+    def body(params, biases, batch):
+        return mean_over_devices(loss_fn)(params, biases, local(batch))[1]
+
+    bias_specs = jax.tree.map(lambda _: P(), biases)
+    return jax.shard_map(
+        body,
+        mesh=layout.mesh,
+        in_specs=(specs, bias_specs, jax.tree.map(lambda _: batch_spec, batch)),
+        out_specs=P(),
+    )(params, biases, batch)
+
+
+def step_gradients(layout: Layout, gradients, params, biases, batch, specs):
+    """`gradients(params, biases, batch, loss_of) -> (metrics, grads)` run per device in
+    one shard_map over the mesh: `loss_of(loss_fn)` makes the mean over all devices of
+    a loss computed on one device's tokens (`mean_over_devices`). Returns the metrics
+    and the gradients summed over the devices that share their parameter: by
+    `grad_exchange.exchange` under 'bf16_a2a', each placed by its `reduced_spec`; else
+    by a float32 all-reduce, each placed as its parameter."""
+    sizes = layout.mesh.shape
+    shapes = jax.tree.map(lambda p: p.shape, params)
+    batch, batch_spec, local = _step_batch(layout, batch)
+    compressed = layout.grad_exchange == "bf16_a2a"
+
+    def reduce(spec, g, shape):
+        if compressed:
+            return grad_exchange.exchange(sizes, g, spec, shape)
+        return jax.lax.psum(g, summed_axes(spec)) if summed_axes(spec) else g
+
+    def body(params, biases, batch):
+        def varying(spec, p):
+            axes = summed_axes(spec)
+            return jax.lax.pcast(p, axes, to="varying") if axes else p
+
+        params = jax.tree.map(varying, specs, params, is_leaf=is_spec)
+        metrics, grads = gradients(params, biases, local(batch), mean_over_devices)
+        return metrics, jax.tree.map(reduce, specs, grads, shapes, is_leaf=is_spec)
+
+    bias_specs = jax.tree.map(lambda _: P(), biases)
+    grad_specs = grad_exchange.reduced_specs(sizes, specs, shapes) if compressed else specs
+    return jax.shard_map(
+        body,
+        mesh=layout.mesh,
+        in_specs=(specs, bias_specs, jax.tree.map(lambda _: batch_spec, batch)),
+        out_specs=(P(), grad_specs),
+    )(params, biases, batch)
