@@ -15,7 +15,7 @@ import jax
 
 from moe_jax.config import Config
 from moe_jax.flops import active_matmul_params
-from moe_jax.plan import memory
+from moe_jax.plan import memory, state_arrays
 
 GB = 1e9
 HOST_SHARE = 0.9  # of the machine's RAM, left to CPU devices (the rest: Python, the OS)
@@ -36,7 +36,7 @@ def device_limit(config: Config) -> tuple[float, str]:
 
 def parameter_counts(config: Config) -> tuple[int, int]:
     """(all parameters, those one token multiplies by)."""
-    arrays = memory.state_arrays(config)
+    arrays = state_arrays.state_arrays(config)
     total = sum(math.prod(a.shape) for a in arrays if a.part == "params")
     return total, sum(active_matmul_params(config.model, config.moe).values())
 

@@ -39,7 +39,7 @@ from moe_jax.config import Config, ModelConfig, MoEConfig, ParallelConfig, Train
 from moe_jax.model.transformer import Transformer
 from moe_jax.moe.block import RouterBias
 from moe_jax.parallel import mesh as mesh_lib
-from moe_jax.plan import memory, param_traffic
+from moe_jax.plan import memory, param_traffic, state_arrays
 from moe_jax.plan.resolve import check_plan
 from moe_jax.tools import comm_report
 from moe_jax.train_step import init_state, loss_fn
@@ -154,7 +154,9 @@ def test_pipeline_stage_holds_its_share_of_the_stack_and_all_the_rest():
     and final norm, which run on every stage with 'stage' folded into the batch (and
     the routers' biases, [layers, experts], which every stage keeps whole)."""
     config = _plan(STATE, "sp", "ep_a2a", num_layers=4, first_k_dense=0, tie_embeddings=False)
-    arrays = {a.path: memory.device_bytes(config, a) for a in memory.state_arrays(config)}
+    arrays = {
+        a.path: state_arrays.device_bytes(config, a) for a in state_arrays.state_arrays(config)
+    }
     table, head = arrays[".params['embed']['table']"], arrays[".params['head']"]
     final = arrays[".params['final_norm']['scale']"]
     biases = sum(size for path, size in arrays.items() if path.startswith(".biases"))
@@ -208,7 +210,7 @@ def _deeper(config: Config) -> Config:
 
 def _stored(config: Config) -> int:
     """Predicted activation bytes of the layer stack (one stage, no head)."""
-    kept, working = memory.stage_activation_bytes(config, memory.units(config), last=False)
+    kept, working = memory.stage_activation_bytes(config, state_arrays.units(config), last=False)
     return kept + working
 
 

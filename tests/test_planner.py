@@ -18,8 +18,9 @@ import pytest
 from moe_jax import config as config_lib
 from moe_jax.config import Config
 from moe_jax.parallel import registry
-from moe_jax.plan import cost_model, hardware, paper_table, planner
-from moe_jax.plan.cost_model import Link, Plan
+from moe_jax.plan import cost_model, hardware, op_costs, paper_modes, paper_table, planner, schedule
+from moe_jax.plan.cost_model import Plan
+from moe_jax.plan.op_costs import Link
 
 ROOT = Path(__file__).resolve().parents[1]
 H800 = hardware.get("h800")
@@ -36,8 +37,8 @@ def table3() -> tuple[paper_table.Row, ...]:
 
 
 def test_bubble_is_one_f_one_b():
-    assert cost_model.bubble_fraction(15, 60) == pytest.approx(14 / 74)
-    assert cost_model.bubble_fraction(1, 8) == 0
+    assert schedule.bubble_fraction(15, 60) == pytest.approx(14 / 74)
+    assert schedule.bubble_fraction(1, 8) == 0
     cost = cost_model.step_cost(load("megascale_352b"), Plan("sp", "ep_ag", 8, 12, 15), H800, 720)
     assert cost.micro_batches == 60
     assert cost.breakdown["bubble"] == pytest.approx(14 * cost.micro_batch_s)
@@ -48,7 +49,7 @@ def _pipeline(name: str, plan: Plan, batch: int) -> cost_model.CostModel:
     """The cost model of a plan of a config, checked to be one the trainer runs."""
     config = load(name)
     assert planner.problem(config, plan, batch, H800) is None
-    return cost_model.CostModel(config, plan, H800, batch, cost_model.Efficiency())
+    return cost_model.CostModel(config, plan, H800, batch, op_costs.Efficiency())
 
 
 def test_pipeline_step_is_gpipe_ticks_and_the_parts_outside():
@@ -68,7 +69,7 @@ def test_pipeline_step_is_gpipe_ticks_and_the_parts_outside():
     assert cost.micro_batches == 12 and cost.micro_batch_s == pytest.approx(tick)
     pipelined = 14 * tick
     assert cost.breakdown["bubble"] == pytest.approx(2 / 14 * pipelined)
-    assert cost.bubble == pytest.approx(2 / 14) == cost_model.bubble_fraction(3, 12)
+    assert cost.bubble == pytest.approx(2 / 14) == schedule.bubble_fraction(3, 12)
     outside = model.outside_params()
     rest = (
         4 * model.outside().seconds
@@ -91,7 +92,7 @@ def test_circular_repeats_shrink_the_bubble():
     }
     costs = {r: m.step() for r, m in models.items()}
     assert costs[1].bubble == pytest.approx(3 / 11)
-    assert costs[2].bubble == pytest.approx(3 / 19) == cost_model.bubble_fraction(4, 8, 2)
+    assert costs[2].bubble == pytest.approx(3 / 19) == schedule.bubble_fraction(4, 8, 2)
     sends = 2 * models[1].send_s(models[1].t)
     tick = models[1].tick().seconds
     assert costs[2].breakdown["bubble"] == pytest.approx(3 * ((tick - sends) / 2 + sends))
@@ -154,17 +155,17 @@ def test_ring_all_gather_is_alpha_beta():
     link = Link(bandwidth=156e9, latency=3e-6)
     result = 64e6  # bytes per device after the gather
     by_hand = 7 * 3e-6 + result * 7 / 8 / 156e9
-    assert cost_model.all_gather_time(result, 8, link) == pytest.approx(by_hand)
-    assert cost_model.all_gather_time(result, 1, link) == 0
+    assert op_costs.all_gather_time(result, 8, link) == pytest.approx(by_hand)
+    assert op_costs.all_gather_time(result, 1, link) == 0
 
 
 def test_overlap_hides_what_compute_covers():
-    assert cost_model.exposed(1.0, 3.0, 1) == 1.0
-    assert cost_model.exposed(1.0, 3.0, 4) == pytest.approx(0.25)
-    assert cost_model.exposed(3.0, 1.0, 4) == pytest.approx(2.25)
+    assert op_costs.exposed(1.0, 3.0, 1) == 1.0
+    assert op_costs.exposed(1.0, 3.0, 4) == pytest.approx(0.25)
+    assert op_costs.exposed(3.0, 1.0, 4) == pytest.approx(2.25)
 
 
-def _exchange(kind: str, attention: str, chunks: int, eff: cost_model.Efficiency):
+def _exchange(kind: str, attention: str, chunks: int, eff: op_costs.Efficiency):
     plan = Plan(attention, "ep_a2a", 8, 8, 1, micro_batch=4, overlap_chunks=chunks)
     cost = cost_model.step_cost(load("mixtral_8x7b"), plan, H800, 64, eff)
     shown = cost.breakdown[kind]
@@ -183,19 +184,19 @@ def test_chunks_hide_what_the_structure_says(kind, attention, slow, chunks: int)
     """C chunks of a block (`parallel.overlap_chunks`: every expert block, and sp's
     attention over its batch) expose 1/C of its exchange when its compute is longer
     (slow GEMMs make sure of it), and pay C times the latency terms."""
-    slow = cost_model.Efficiency(**slow)
+    slow = op_costs.Efficiency(**slow)
     one_shown, one_total = _exchange(kind, attention, 1, slow)
     shown, total = _exchange(kind, attention, chunks, slow)
     assert one_shown == pytest.approx(one_total)  # one chunk: nothing hidden
     assert shown == pytest.approx(total / chunks)
     assert total > one_total  # C times the collectives' latency terms
-    shown, total = _exchange(kind, attention, chunks, cost_model.Efficiency())
+    shown, total = _exchange(kind, attention, chunks, op_costs.Efficiency())
     assert total / chunks * (1 - 1e-9) <= shown < total  # at most (C-1)/C ever hides
 
 
 def test_tensor_parallel_exchanges_stay_exposed_when_chunked():
     """tp's all-gathers and reduce-scatters are not chunked: all of them stay exposed."""
-    shown, total = _exchange("attention_exchange", "tp", 4, cost_model.Efficiency())
+    shown, total = _exchange("attention_exchange", "tp", 4, op_costs.Efficiency())
     assert shown == pytest.approx(total) and shown > 0
 
 
@@ -231,7 +232,7 @@ def test_a_ring_hides_all_but_one_step(kind, attention, experts):
     """With GEMMs longer than the exchange, a collective matmul over n=8 exposes one of
     its n-1 = 7 steps (per direction), with the latency terms of the ring collectives it
     replaces; inside C=2 chunks, one of 2·7."""
-    slow = cost_model.Efficiency(gemm=0.01, grouped_gemm=0.01)
+    slow = op_costs.Efficiency(gemm=0.01, grouped_gemm=0.01)
     plain_shown, plain_total = _ring_exchange(kind, attention, experts, False, slow)
     shown, total = _ring_exchange(kind, attention, experts, True, slow)
     assert total == pytest.approx(plain_total)
@@ -247,8 +248,8 @@ def test_a_ring_hides_behind_its_gemms_only():
     """tp's rings are cut into the projections' GEMMs: with an exchange longer than them
     (a slow link), a slower attention core hides nothing more of it, while the chunked
     sp exchange hides behind the whole block, its core included."""
-    fast = cost_model.Efficiency(nvlink=0.01)
-    slow_core = cost_model.Efficiency(nvlink=0.01, attention=0.001)
+    fast = op_costs.Efficiency(nvlink=0.01)
+    slow_core = op_costs.Efficiency(nvlink=0.01, attention=0.001)
     ring = [
         _ring_exchange("attention_exchange", "tp", "ep_a2a", True, e)[0] for e in (fast, slow_core)
     ]
@@ -341,15 +342,15 @@ def test_table3_megatron_within_25_and_speedup_within_20_percent():
 
 
 def test_tile_factor_slows_short_reductions_only():
-    eff = cost_model.Efficiency()
-    assert cost_model.tile_factor(4096, eff) == pytest.approx(1.0)
-    assert cost_model.tile_factor(14336, eff) == 1.0
-    assert cost_model.tile_factor(512, eff) == pytest.approx(0.5 * 4608 / 4096)
+    eff = op_costs.Efficiency()
+    assert op_costs.tile_factor(4096, eff) == pytest.approx(1.0)
+    assert op_costs.tile_factor(14336, eff) == 1.0
+    assert op_costs.tile_factor(512, eff) == pytest.approx(0.5 * 4608 / 4096)
     # backward: data gradient over the columns, weight gradient over the rows
     shapes = ((768.0, 4096.0, 1792.0),)
-    backward = 2 / (1 / cost_model.tile_factor(4096, eff) + 1 / cost_model.tile_factor(768, eff))
-    assert cost_model.gemm_factor(shapes, True, eff) == pytest.approx(backward)
-    assert cost_model.gemm_factor((), False, eff) == 1.0
+    backward = 2 / (1 / op_costs.tile_factor(4096, eff) + 1 / op_costs.tile_factor(768, eff))
+    assert op_costs.gemm_factor(shapes, True, eff) == pytest.approx(backward)
+    assert op_costs.gemm_factor((), False, eff) == 1.0
 
 
 def test_selective_remat_and_bf16_gradients_cost_less():
@@ -390,7 +391,7 @@ def test_mixtral_on_one_node_chooses_expert_parallelism():
     shown = sp_ep.cost.breakdown["attention_exchange"]
     assert best.cost.step_s < sp_ep.cost.step_s <= best.cost.step_s + 1.1 * shown
     # The paper's single-node SP+EP over TP+TP, both with the paper's own overlap.
-    paper = cost_model.PAPER_OVERLAP
+    paper = paper_modes.PAPER_OVERLAP
     ours = planner.rank(config, 8, H800, 32, None, paper, limit=1, attention=("sp",)).best
     baseline = planner.rank(
         config, 8, H800, 32, None, paper, limit=1, attention=("tp",), experts=("etp",), intra=(8,)

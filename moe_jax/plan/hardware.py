@@ -1,7 +1,7 @@
 """GPU presets for the planner: datasheet peaks only, no achievable fractions.
 
 Why a table of its own: the cost model derates these peaks by named efficiency
-factors (`moe_jax.plan.cost_model.Efficiency`); keeping the datasheet numbers
+factors (`moe_jax.plan.op_costs.Efficiency`); keeping the datasheet numbers
 apart makes every prediction traceable to a published figure.
 
 Sources: the MegaScale-MoE paper's Table 4 (H800, A100, H20: dense BF16 TFLOP/s,

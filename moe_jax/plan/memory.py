@@ -4,7 +4,8 @@ Why: a layout that is fast but does not fit is no plan. The planner ranks
 layouts by time only among those whose `Memory.total` fits the device.
 
 Model state is exact: the arrays of the `TrainState` (traced abstractly, so
-any model change is followed) placed as `train_state_shardings` places them.
+any model change is followed) placed as `train_state_shardings` places them
+(`moe_jax.plan.state_arrays`).
 Activations are an analytic count of what the backward pass keeps (see
 `block_activation_bytes`), checked against XLA's buffer assignment in
 tests/test_plan_memory.py.
@@ -13,21 +14,14 @@ tests/test_plan_memory.py.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 
-import jax
-import numpy as np
-from flax import nnx
-
-from moe_jax.config import Config, ModelConfig, MoEConfig, TrainConfig
+from moe_jax.config import Config, MoEConfig
 from moe_jax.model.loss import loss_chunks
 from moe_jax.moe.experts import resolve_impl
-from moe_jax.parallel import mesh, registry
-from moe_jax.parallel.layout import DATA, INTRA, Layout, split_size
-from moe_jax.parallel.pipeline import PIPELINED
+from moe_jax.parallel import registry
+from moe_jax.parallel.layout import DATA, INTRA
 from moe_jax.plan.comm_volume import DTYPE_BYTES
-from moe_jax.train_state import init_state
+from moe_jax.plan.state_arrays import state_bytes, units
 
 FP32 = 4
 
@@ -51,110 +45,6 @@ class Memory:
     @property
     def total(self) -> int:
         return self.params + self.grads + self.optimizer + self.activations
-
-
-@dataclasses.dataclass(frozen=True)
-class StateArray:
-    """One array of the train state, before placement."""
-
-    path: str
-    shape: tuple[int, ...]
-    itemsize: int
-    names: tuple[str | None, ...]  # logical axes; () for plain arrays (replicated)
-    part: str  # 'params', 'biases', 'opt_state', 'step' or 'rng'
-    moment: bool  # an optimizer variable (ZeRO-1 splits it over 'data')
-    stack: str | None  # 'dense' or 'moe': stacked over that stack's units on axis 0
-
-
-@functools.cache
-def _state_arrays(model: ModelConfig, moe: MoEConfig, clipped: bool) -> tuple:
-    train = TrainConfig(grad_clip=1.0 if clipped else 0.0)  # all that shapes the state
-    _, state = jax.eval_shape(lambda: init_state(Config(model=model, moe=moe, train=train)))
-    arrays = []
-    leaves = jax.tree_util.tree_leaves_with_path(
-        state, is_leaf=lambda x: isinstance(x, nnx.Variable)
-    )
-    for path, leaf in leaves:
-        keys = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", "")))) for k in path]
-        variable = isinstance(leaf, nnx.Variable)
-        value = leaf.get_value() if variable else leaf
-        names = tuple(leaf.get_metadata().get("out_sharding") or ()) if variable else ()
-        arrays.append(
-            StateArray(
-                path=jax.tree_util.keystr(path),
-                shape=tuple(value.shape),
-                itemsize=np.dtype(value.dtype).itemsize,
-                names=names,
-                part=keys[0],
-                moment=variable and keys[0] == "opt_state",
-                stack=next((k for k in keys if k in ("dense", "moe")), None),
-            )
-        )
-    return tuple(arrays)
-
-
-def state_arrays(config: Config) -> tuple[StateArray, ...]:
-    """Every array of the `TrainState` of `config` (shapes only; nothing is allocated)."""
-    return _state_arrays(config.model, config.moe, config.train.grad_clip > 0)
-
-
-mesh_sizes = registry.mesh_sizes
-
-
-def placement(config: Config, array: StateArray, shape: tuple[int, ...] | None = None) -> list:
-    """Mesh axes of each dimension, the rule of `mesh.train_state_shardings`: logical axes
-    by the plan's rules; with ZeRO-1 a moment also goes over 'data' on its first
-    unsplit dimension divisible by the data size."""
-    shape = array.shape if shape is None else shape
-    layout = Layout(param_rules=registry.param_rules(config))
-    over_data = array.moment and bool(config.parallel.zero)
-    names = array.names
-    if config.parallel.stages > 1 and array.stack == "moe" and array.part != "biases":
-        # the pipelined stack, split over stages (its [R, U / R] form holds as many bytes)
-        names = (PIPELINED[1], *names[1:])
-    return mesh.placement(layout, names, shape, config.parallel.data, over_data)
-
-
-def split_of(axes, sizes: dict[str, int]) -> int:
-    """Devices one dimension is split over (1 when unsplit)."""
-    return split_size(axes, sizes)
-
-
-def device_bytes(config: Config, array: StateArray) -> int:
-    """Bytes of `array` on one device (the largest shard)."""
-    shape = array.shape
-    sizes = mesh_sizes(config)
-    spec = placement(config, array, shape)
-    return array.itemsize * math.prod(
-        -(-dim // split_of(axes, sizes)) for dim, axes in zip(shape, spec, strict=True)
-    )
-
-
-# ---------------------------------------------------------------- the state
-
-
-def units(config: Config) -> list[tuple[str, int]]:
-    """The repeated units in order: ('dense', 1) per dense-prefix layer, then
-    ('moe', moe_every) per MoE unit (moe_every - 1 dense blocks and one MoE block)."""
-    blocks: dict[tuple[str, int], int] = {}  # by `ModelConfig.block_of`, the model's rule
-    for layer in range(config.model.num_layers):
-        stack, unit, _, _ = config.model.block_of(layer)
-        blocks[stack, unit] = blocks.get((stack, unit), 0) + 1
-    return [(stack, count) for (stack, _), count in blocks.items()]
-
-
-def _state_bytes(config: Config) -> dict[str, int]:
-    """params / grads / optimizer bytes of one device's share of the train state (every
-    stage holds the same: a pipeline's stack is split over 'stage' by `placement`)."""
-    out = {"params": 0, "grads": 0, "optimizer": 0}
-    for array in state_arrays(config):
-        size = device_bytes(config, array)
-        if array.part in ("params", "biases"):
-            out["params"] += size
-            out["grads"] += size if array.part == "params" else 0
-        else:
-            out["optimizer"] += size
-    return out
 
 
 # ---------------------------------------------------------------- activations
@@ -489,7 +379,7 @@ def memory_per_device(config: Config, pp: int = 1, micro_batch: int | None = Non
         return _pipeline_memory(config, config.parallel.stages, micro_batch)
     in_flight = micro_batches(config, micro_batch)
     stage = units(config)
-    state = _state_bytes(config)
+    state = state_bytes(config)
     state["grads"] *= 2 if in_flight > 1 else 1  # the sum and one micro-batch's
     kept, working = stage_activation_bytes(config, stage, True, micro_batch)
     return Memory(**state, activations=kept * min(1, in_flight) + working)
@@ -544,7 +434,7 @@ def _pipeline_memory(config: Config, stages: int, micro_batch: int | None) -> Me
     micro = p.microbatches if micro_batch is None else t.batch_size // (p.data * micro_batch)
     micro = max(micro, stages)  # a config planned for `pp` stages without its micro-batches
     micro_batch = micro_batch or t.batch_size // (p.data * micro)
-    state = _state_bytes(config)
+    state = state_bytes(config)
     repeats = p.repeats if p.stages > 1 else 1
     terms = pipeline_activation_bytes(config, stages, micro, repeats, micro_batch)
     return Memory(**state, activations=sum(terms.values()))

@@ -11,7 +11,7 @@ memory-bound operators are recomputed) and BF16 gradient exchange (the paper's
 communication compression). Its baseline is Megatron-LM with tensor parallelism 8 for
 both blocks, no token-exchange overlap, full recompute (the config's `remat="full"`)
 and float32 gradient reduction (Megatron's --accumulate-allreduce-grads-in-fp32).
-Both run 1F1B pipelines (`cost_model.PAPER_SCHEDULE`), not the trainer's.
+Both run 1F1B pipelines (`paper_modes.PAPER_SCHEDULE`), not the trainer's.
 
     python -m moe_jax.plan.paper_table
 """
@@ -26,7 +26,7 @@ from pathlib import Path
 from moe_jax import config as config_lib
 from moe_jax.config import Config
 from moe_jax.flops import PEAK_TFLOPS
-from moe_jax.plan import cost_model, planner
+from moe_jax.plan import paper_modes, planner
 from moe_jax.plan.hardware import GPU, get
 
 GLOBAL_BATCH = 720
@@ -102,7 +102,7 @@ def rows(config: Config | None = None, gpu: GPU | str = "h800") -> list[Row]:
             gpu,
             GLOBAL_BATCH,
             STAGES,
-            cost_model.PAPER_OVERLAP,  # the paper's system, not one the trainer runs
+            paper_modes.PAPER_OVERLAP,  # the paper's system, not one the trainer runs
             limit=1,
             check_memory=False,  # the paper ran these plans on these GPUs
             micro_batch=MICRO_BATCH,
@@ -111,7 +111,7 @@ def rows(config: Config | None = None, gpu: GPU | str = "h800") -> list[Row]:
             intra=(gpu.gpus_per_node,),
             remat=PAPER_REMAT,
             grad_dtype=PAPER_GRAD_DTYPE,
-            schedule=cost_model.PAPER_SCHEDULE,  # its 1F1B pipeline, not the trainer's
+            schedule=paper_modes.PAPER_SCHEDULE,  # its 1F1B pipeline, not the trainer's
         ).best
         megatron = planner.megatron_baseline(
             config,

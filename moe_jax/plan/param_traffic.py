@@ -44,7 +44,7 @@ from jax.sharding import PartitionSpec as P
 from moe_jax.config import Config
 from moe_jax.parallel import grad_exchange, registry
 from moe_jax.parallel.layout import DATA, EXPERT, INTRA, TENSOR, axes_of
-from moe_jax.plan.memory import StateArray, device_bytes, mesh_sizes, placement, state_arrays
+from moe_jax.plan.state_arrays import StateArray, device_bytes, mesh_sizes, placement, state_arrays
 
 
 def _all_reduce(size: float, group: int) -> float:

@@ -24,6 +24,7 @@ from moe_jax.plan.cost_model import (
     StepCost,
 )
 from moe_jax.plan.hardware import GPU, get
+from moe_jax.plan.paper_modes import PAPER_SCHEDULE
 
 # Share of a GPU's memory a plan may fill: the CUDA context, NCCL buffers and
 # allocator fragmentation take the rest (several GB on an 80 GB part).
@@ -111,7 +112,7 @@ def _stages(config: Config, gpus: int, pp: int | None, schedule: str) -> list[in
     if pp:
         return [pp]
     m = config.model
-    if schedule == cost_model.PAPER_SCHEDULE:
+    if schedule == PAPER_SCHEDULE:
         return [s for s in _divisors(gpus) if m.num_layers % s == 0]
     units = m.num_moe_layers
     return [s for s in _divisors(gpus) if s == 1 or (units % s == 0 and units >= s)]
@@ -119,7 +120,7 @@ def _stages(config: Config, gpus: int, pp: int | None, schedule: str) -> list[in
 
 def _repeats(config: Config, pp: int, schedule: str) -> list[int]:
     """parallel.repeats to search: R groups of the stack per stage, each of whole units."""
-    if pp == 1 or schedule == cost_model.PAPER_SCHEDULE:
+    if pp == 1 or schedule == PAPER_SCHEDULE:
         return [1]
     units = config.model.num_moe_layers
     return [r for r in cost_model.REPEAT_CHOICES if units % (pp * r) == 0 and units >= pp * r]
@@ -147,7 +148,7 @@ def plans(
     used whenever there is data parallelism: it moves the same bytes as an all-reduce
     and shrinks the optimizer state. Pipelines are the trainer's (`schedule` "gpipe",
     with `cost_model.REPEAT_CHOICES` circular repeats where the MoE stack divides) or,
-    for the paper's systems only, 1F1B (`cost_model.PAPER_SCHEDULE`); `micro_batches`
+    for the paper's systems only, 1F1B (`PAPER_SCHEDULE`); `micro_batches`
     fixes the micro-batches per step, `micro_batch` the sequences in each; `grad_sync`
     picks the gradient sync model, `remat` the recompute ("" = the config's; the memory
     model follows it), `grad_dtype` the precision of the gradient exchange and `overlap`
@@ -164,7 +165,7 @@ def plans(
                 sizes = [per_group // micro_batches] if per_group % micro_batches == 0 else []
             if micro_batch:
                 sizes = [b for b in sizes if b == micro_batch]
-            if p > 1 and schedule != cost_model.PAPER_SCHEDULE:  # each stage takes M / S
+            if p > 1 and schedule != PAPER_SCHEDULE:  # each stage takes M / S
                 sizes = [b for b in sizes if b > 0 and (per_group // b) % p == 0]
             kinds = _layouts(n, data, attention, experts)
             # Expert weights over 'data' too, where there is data parallelism.
@@ -308,7 +309,7 @@ def megatron_baseline(
         experts=("etp",),
         intra=(n,),
         micro_batch=micro_batch,
-        schedule=cost_model.PAPER_SCHEDULE,
+        schedule=PAPER_SCHEDULE,
     )
 
 

@@ -1,0 +1,158 @@
+"""The data-parallel gradient synchronisation of a plan and the optimizer update after
+it (a part of `moe_jax.plan.cost_model.CostModel`): the paper's hierarchical sync, or
+the trainer's exchange (`parallel.grad_exchange`), read off the exact state arrays of
+the memory model for a pipeline."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+from moe_jax.config import Config
+from moe_jax.parallel import registry
+from moe_jax.parallel.layout import DATA, INTRA, STAGE, axes_of
+from moe_jax.plan import comm_volume
+from moe_jax.plan.op_costs import PARAM_BYTES, Link
+
+ADAM_BYTES_PER_PARAM = 28  # read grad, param, m, v (16); write param, m, v (12)
+
+
+class GradSync:
+    """Gradient sums and the optimizer (a part of `CostModel`)."""
+
+    def grad_sync_s(self, backward_s: float, stage_layers: int) -> tuple[float, float]:
+        """(exposed, hidden) seconds per step of the data-parallel gradient sync of one
+        stage. "hierarchical" (the paper): once per step, overlapping the last
+        micro-batch's backward except the first layer's share (its gradients are ready
+        last). "per_micro_batch" (what XLA compiles for the trainer): an all-reduce
+        inside every micro-batch's backward, overlapping it the same way; with
+        `parallel.grad_exchange='bf16_a2a'` only FSDP's gathers and their exchange stay
+        there, and the summed gradients' exchange runs once, after the backward, exposed."""
+        from moe_jax.plan import param_traffic
+
+        p = self.plan
+        layers = max(stage_layers, 1)
+        window = backward_s * (1 - 1 / layers)
+        if p.grad_sync == "per_micro_batch":
+            link = self.data_link if p.data > 1 else self.intra
+            sent = param_traffic.gradient_bytes_per_step(self.sized) / p.pp / self.micro_batches
+            after = 0.0  # parallel.grad_exchange='bf16_a2a': once, after the last backward
+            if self.sized.parallel.grad_exchange == "bf16_a2a":
+                per_micro_batch, per_step = param_traffic.bf16_a2a_traffic(self.sized)
+                sent, after = per_micro_batch / p.pp, per_step / p.pp / link.bandwidth
+            once = sent / link.bandwidth
+            shown = max(once - window, once / layers) if sent else 0.0
+            return shown * self.micro_batches + after, (once - shown) * self.micro_batches
+        volume = param_traffic.hierarchical_sync_bytes(self.sized)
+        scale = comm_volume.DTYPE_BYTES[p.grad_dtype] / PARAM_BYTES  # bf16 exchange: half
+        intra = volume["intra"] * scale / p.pp / self.intra.bandwidth
+        inter = volume["inter"] * scale / p.pp / self.data_link.bandwidth
+        steps = (p.intra - 1) * 2 * self.intra.latency + (p.data - 1) * 2 * self.data_link.latency
+        total = intra + inter + steps * (volume["intra"] + volume["inter"] > 0)
+        shown = max(total - window, total / layers)
+        return shown, total - shown
+
+    def optimizer_s(self, params: float | None = None) -> float:
+        """AdamW update: memory-bound over one device's parameters (default the largest
+        1F1B stage's; the moments split over data by ZeRO-1)."""
+        params = max(self.stage_params()) if params is None else params
+        shards = self.plan.data if self.plan.zero else 1
+        bandwidth = self.gpu.hbm_bandwidth * self.eff.memory
+        return params / shards * ADAM_BYTES_PER_PARAM / bandwidth
+
+    def pipeline_sync_s(self) -> float:
+        """The pipelined step's gradient sum, exposed: the trainer runs it once, after the
+        tick loop's backward. Each device sums its stage's 1/S of the stack over the mesh
+        axes the stack is replicated on, and what every stage holds (embedding, head,
+        dense prefix) over 'stage' as well."""
+        sizes = registry.mesh_sizes(self.sized)
+        shards = _shards(_placement_key(self.sized))
+        return _sync_time([sent for shard in shards for sent in self._sync(shard, sizes)])
+
+    def _sync(self, shard: _Shard, sizes: dict[str, int]) -> list[tuple[float, int, Link]]:
+        """(bytes, group, link) one device sends to sum one parameter's gradient over its
+        devices of the intra group, then across 'data' (and 'stage'). `Plan.grad_sync`
+        "hierarchical" is the paper's form (intra-node all-reduce, then one of the 1/n
+        shard across nodes, in `Plan.grad_dtype`); else the trainer's
+        `parallel.grad_exchange`: one float32 all-reduce over the whole group, or
+        'bf16_a2a' (bf16 all-to-alls, intra group first, the float32 shards gathered
+        back: 3/4 of the paper's float32 bytes), with ZeRO-1's gather of the updated
+        parameters. FSDP's gradients are reduce-scattered over 'data' in every
+        micro-batch's backward (the transpose of its weight gathers)."""
+        p, splits = self.plan, shard.splits
+        form = (
+            "hierarchical" if p.grad_sync == "hierarchical" else self.sized.parallel.grad_exchange
+        )
+        dtype = comm_volume.DTYPE_BYTES[p.grad_dtype] / PARAM_BYTES
+        size = shard.bytes / (p.pp if shard.piped and STAGE not in splits else 1)
+        inner = math.prod(sizes[a] for a in INTRA if a not in splits)
+        outer = (1 if DATA in splits else p.data) * (1 if shard.piped else p.pp)
+        far = self.data_link if shard.piped else self.stage_link
+        out = []
+        if DATA in splits:
+            passes = self.micro_batches if shard.piped else 1
+            scatter = {"fp32": 1.0, "bf16_a2a": 0.5}.get(form, dtype)
+            out.append((passes * scatter * size * (p.data - 1), p.data, self.data_link))
+        if form == "fp32":
+            group = inner * outer
+            out.append((2 * size * (group - 1) / group, group, far if outer > 1 else self.intra))
+        else:
+            scale = 0.75 if form == "bf16_a2a" else dtype
+            out.append((scale * 2 * size * (inner - 1) / inner, inner, self.intra))
+            out.append((scale * 2 * size / inner * (outer - 1) / outer, outer, far))
+        if form != "hierarchical" and p.zero and DATA in shard.moment_splits - splits:
+            out.append((size * (p.data - 1) / p.data, p.data, self.data_link))
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shard:
+    """One parameter as a device holds it: what its gradient sum needs."""
+
+    piped: bool  # of the pipelined MoE stack (split over 'stage' when pipelined)
+    bytes: int  # on one device (`state_arrays.device_bytes`: a pipelined stack split over 'stage')
+    splits: frozenset[str]  # mesh axes it is split over
+    moment_splits: frozenset[str]  # those of its optimizer moments (ZeRO-1: 'data')
+
+
+def _placement_key(sized: Config) -> Config:
+    """`sized` without the settings parameter placement ignores (one cache entry for
+    every micro-batch and overlap setting of a layout)."""
+    parallel = dataclasses.replace(
+        sized.parallel, overlap_chunks=1, collective_matmul=False, microbatches=1, repeats=1
+    )
+    train = dataclasses.replace(sized.train, batch_size=1, grad_accum=1)
+    return dataclasses.replace(sized, parallel=parallel, train=train)
+
+
+@functools.lru_cache(maxsize=1024)
+def _shards(config: Config) -> tuple[_Shard, ...]:
+    """Every parameter of the train state as one device holds it under `config`."""
+    from moe_jax.plan import state_arrays  # traces the train state: only when asked
+
+    return tuple(
+        _Shard(
+            piped=array.stack == "moe",
+            bytes=state_arrays.device_bytes(config, array),
+            splits=_axes(state_arrays.placement(config, array)),
+            moment_splits=_axes(
+                state_arrays.placement(config, dataclasses.replace(array, moment=True))
+            ),
+        )
+        for array in state_arrays.state_arrays(config)
+        if array.part == "params"
+    )
+
+
+def _axes(spec) -> frozenset[str]:
+    """Mesh axes a placement splits over."""
+    return frozenset(a for entry in spec for a in axes_of(entry))
+
+
+def _sync_time(traffic: list[tuple[float, int, Link]]) -> float:
+    """Bytes over each link, and 2 (g - 1) latency steps for each distinct group (one
+    all-reduce-like collective per group: XLA combines a step's reductions over it)."""
+    seconds = sum(sent / link.bandwidth for sent, _, link in traffic)
+    groups = {(group, link) for sent, group, link in traffic if sent > 0 and group > 1}
+    return seconds + sum(2 * (group - 1) * link.latency for group, link in groups)

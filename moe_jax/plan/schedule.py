@@ -1,0 +1,162 @@
+"""The step of a plan from its blocks: the micro-batches of the slowest stage, the
+pipeline's ticks and its bubble (a part of `moe_jax.plan.cost_model.CostModel`).
+
+The trainer's pipeline ("gpipe", `moe_jax.parallel.pipeline`): GPipe over S stages with
+R circular repeats; the stage-cut step (`one_f_one_b_step`): the trainer's unpipelined
+step at one stage, and the 1F1B of the paper's systems (`PAPER_SCHEDULE`) at more.
+"""
+
+from __future__ import annotations
+
+from moe_jax.plan.op_costs import Tally, collective_time
+
+
+def bubble_fraction(stages: int, micro_batches: int, repeats: int = 1) -> float:
+    """Share of a pipeline's ticks a stage idles, (S-1)/(M R + S - 1): the trainer's GPipe
+    with R circular repeats (1F1B's (p-1)/(m+p-1) at R = 1)."""
+    return (stages - 1) / (micro_batches * repeats + stages - 1)
+
+
+class Schedules:
+    """Stage cuts and schedules (a part of `CostModel`)."""
+
+    def stage_params(self) -> list[float]:
+        """Parameters one device holds on each 1F1B stage: its layers, the embedding on the
+        first, the head on the last."""
+        m, p = self.config.model, self.plan
+        is_moe = [m.block_of(i)[3] for i in range(m.num_layers)]
+        table = self.table_params()
+        out = []
+        for s, layers in enumerate(self.stage_layers()):
+            ends = (s == 0) + (s == p.pp - 1 and not m.tie_embeddings)
+            out.append(sum(self.layer_params(is_moe[i]) for i in layers) + ends * table)
+        return out
+
+    def stage_layers(self) -> list[range]:
+        """Layers of each stage: the model cut into pp contiguous, near-equal parts."""
+        n, pp = self.config.model.num_layers, self.plan.pp
+        bounds = [round(s * n / pp) for s in range(pp + 1)]
+        return [range(bounds[s], bounds[s + 1]) for s in range(pp)]
+
+    def stages(self) -> list[Tally]:
+        """Per micro-batch, forward + backward, of each 1F1B pipeline stage."""
+        m, p = self.config.model, self.plan
+        is_moe = [m.block_of(i)[3] for i in range(m.num_layers)]
+        layer = {kind: self.layer(kind) for kind in set(is_moe)}
+        p2p = 0.0
+        if p.pp > 1:  # activations in and gradients back, each this device's tokens
+            p2p = 2 * collective_time(self.t * m.embed_dim * self.B, 2, self.stage_link)
+        stages = []
+        params = self.stage_params()
+        for s, layers in enumerate(self.stage_layers()):
+            tally = Tally(compute={"grad_accumulation": self.accumulation_s(params[s])})
+            for i in layers:
+                tally.add(layer[is_moe[i]])
+            if s == p.pp - 1:
+                tally.add(self.head())
+            if p2p:
+                tally.add(Tally(exposed={"pipeline_p2p": p2p}))
+            stages.append(tally)
+        return stages
+
+    def one_f_one_b_step(self) -> tuple[dict[str, float], dict[str, float], float]:
+        """(breakdown, hidden, slowest stage's micro-batch seconds) of m micro-batches
+        through 1F1B (no pipeline: one stage)."""
+        p = self.plan
+        stages = self.stages()
+        slowest = max(range(p.pp), key=lambda s: stages[s].seconds)
+        stage = stages[slowest]
+        t_mb = stage.seconds
+        mbs = self.micro_batches
+        breakdown = {k: v * mbs for k, v in stage.compute.items()}
+        for k, v in stage.exposed.items():
+            breakdown[k] = breakdown.get(k, 0.0) + v * mbs
+        hidden = {k: v * mbs for k, v in stage.hidden.items()}
+        breakdown["bubble"] = (p.pp - 1) * t_mb
+        shown, hid = self.grad_sync_s(stages[0].backward, len(self.stage_layers()[0]))
+        breakdown["grad_sync"] = shown
+        hidden["grad_sync"] = hid
+        breakdown["optimizer"] = self.optimizer_s()
+        return breakdown, hidden, t_mb
+
+    # --- the trainer's pipeline (`Plan.schedule` "gpipe") --------------------------
+
+    def units_per_group(self) -> int:
+        """MoE units (moe_every - 1 dense layers, one MoE layer) of each of the R S groups."""
+        return self.config.model.num_moe_layers // (self.plan.pp * self.plan.repeats)
+
+    def unit(self, forward_only: bool = False) -> Tally:
+        """One pipelined unit for one micro-batch: forward, backward and the model's
+        recompute, or (`forward_only`) one forward, exchanges included."""
+        run = self.layer_forward if forward_only else self.layer
+        tally = run(True)
+        dense = self.config.model.moe_every - 1
+        if dense:
+            tally.add(run(False), dense)
+        return tally
+
+    def layer_forward(self, moe: bool) -> Tally:
+        """One forward of a layer: what rematerialising a tick runs once more."""
+        tally = self._pass(self.attention_ops(), self.attention_exchanges(), backward=False)
+        if moe:
+            tally.add(self._pass(self.moe_ops(), self.moe_exchanges(), backward=False))
+        else:
+            tally.add(self._pass(self.mlp_ops(), self.mlp_exchanges(), backward=False))
+        return tally
+
+    def group_params(self) -> float:
+        """Parameters of one group of the stack on one device."""
+        dense = (self.config.model.moe_every - 1) * self.layer_params(False)
+        return self.units_per_group() * (self.layer_params(True) + dense)
+
+    def outside_params(self) -> float:
+        """Parameters every stage holds whole: the embedding, the head (untied) and the
+        dense prefix."""
+        m = self.config.model
+        tables = 1 + (not m.tie_embeddings)
+        return tables * self.table_params() + m.first_k_dense * self.layer_params(False)
+
+    def send_s(self, tokens: float) -> float:
+        """One collective-permute of `tokens` tokens' hidden states between two stages."""
+        sent = tokens * self.config.model.embed_dim * self.B
+        return collective_time(sent, 2, self.stage_link)
+
+    def tick(self) -> Tally:
+        """One stage at one tick: its group's forward, backward and the model's recompute
+        for one micro-batch, the forward once more (each tick is rematerialised), the
+        weight gradients added into the step's sum, the activation sent on and its
+        cotangent sent back (both wait for the tick's compute and feed the next)."""
+        units = self.units_per_group()
+        tally = Tally(compute={"grad_accumulation": self.accumulation_s(self.group_params())})
+        tally.add(self.unit(), units)
+        tally.add(self.unit(forward_only=True), units)
+        tally.add(Tally(exposed={"pipeline_p2p": 2 * self.send_s(self.t)}))
+        return tally
+
+    def outside(self) -> Tally:
+        """The dense prefix and the head of one micro-batch, outside the pipeline."""
+        tally = self.head()
+        if self.config.model.first_k_dense:
+            tally.add(self.layer(False), self.config.model.first_k_dense)
+        return tally
+
+    def gpipe_step(self) -> tuple[dict[str, float], dict[str, float], float]:
+        """(breakdown, hidden, tick seconds) of the trainer's pipelined step: M R ticks of
+        work and S - 1 of bubble, each stage's K = M / S micro-batches outside the
+        pipeline, the sends of those to stage 0 and back (forward and backward), one
+        exposed gradient sum and the optimizer."""
+        p = self.plan
+        tick, k = self.tick(), self.micro_batches // p.pp
+        total = Tally()
+        total.add(tick, self.micro_batches * p.repeats)
+        total.add(self.outside(), k)
+        breakdown = dict(total.compute)
+        for key, value in total.exposed.items():
+            breakdown[key] = breakdown.get(key, 0.0) + value
+        outside = self.outside_params()
+        breakdown["grad_accumulation"] += self.accumulation_s(outside, passes=1)
+        breakdown["pipeline_p2p"] += 4 * (p.pp - 1) * self.send_s(k * self.t)
+        breakdown["bubble"] = (p.pp - 1) * tick.seconds
+        breakdown["grad_sync"] = self.pipeline_sync_s()
+        breakdown["optimizer"] = self.optimizer_s(p.repeats * self.group_params() + outside)
+        return breakdown, {**total.hidden, "grad_sync": 0.0}, tick.seconds

@@ -1,0 +1,125 @@
+"""The train state's arrays as the planner sees them: every array of the `TrainState`
+(traced abstractly, so any model change is followed) and where a plan places it, the
+rule of `moe_jax.parallel.mesh.train_state_shardings`.
+
+Why a module of its own: the memory model (`moe_jax.plan.memory`) sums these bytes,
+and the cost model reads the same arrays for the gradient sync (`moe_jax.plan.grad_sync`)
+and the parameter traffic (`moe_jax.plan.param_traffic`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import numpy as np
+from flax import nnx
+
+from moe_jax.config import Config, ModelConfig, MoEConfig, TrainConfig
+from moe_jax.parallel import mesh, registry
+from moe_jax.parallel.layout import Layout, split_size
+from moe_jax.parallel.pipeline import PIPELINED
+from moe_jax.train_state import init_state
+
+
+@dataclasses.dataclass(frozen=True)
+class StateArray:
+    """One array of the train state, before placement."""
+
+    path: str
+    shape: tuple[int, ...]
+    itemsize: int
+    names: tuple[str | None, ...]  # logical axes; () for plain arrays (replicated)
+    part: str  # 'params', 'biases', 'opt_state', 'step' or 'rng'
+    moment: bool  # an optimizer variable (ZeRO-1 splits it over 'data')
+    stack: str | None  # 'dense' or 'moe': stacked over that stack's units on axis 0
+
+
+@functools.cache
+def _state_arrays(model: ModelConfig, moe: MoEConfig, clipped: bool) -> tuple:
+    train = TrainConfig(grad_clip=1.0 if clipped else 0.0)  # all that shapes the state
+    _, state = jax.eval_shape(lambda: init_state(Config(model=model, moe=moe, train=train)))
+    arrays = []
+    leaves = jax.tree_util.tree_leaves_with_path(
+        state, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
+    for path, leaf in leaves:
+        keys = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", "")))) for k in path]
+        variable = isinstance(leaf, nnx.Variable)
+        value = leaf.get_value() if variable else leaf
+        names = tuple(leaf.get_metadata().get("out_sharding") or ()) if variable else ()
+        arrays.append(
+            StateArray(
+                path=jax.tree_util.keystr(path),
+                shape=tuple(value.shape),
+                itemsize=np.dtype(value.dtype).itemsize,
+                names=names,
+                part=keys[0],
+                moment=variable and keys[0] == "opt_state",
+                stack=next((k for k in keys if k in ("dense", "moe")), None),
+            )
+        )
+    return tuple(arrays)
+
+
+def state_arrays(config: Config) -> tuple[StateArray, ...]:
+    """Every array of the `TrainState` of `config` (shapes only; nothing is allocated)."""
+    return _state_arrays(config.model, config.moe, config.train.grad_clip > 0)
+
+
+mesh_sizes = registry.mesh_sizes
+
+
+def placement(config: Config, array: StateArray, shape: tuple[int, ...] | None = None) -> list:
+    """Mesh axes of each dimension, the rule of `mesh.train_state_shardings`: logical axes
+    by the plan's rules; with ZeRO-1 a moment also goes over 'data' on its first
+    unsplit dimension divisible by the data size."""
+    shape = array.shape if shape is None else shape
+    layout = Layout(param_rules=registry.param_rules(config))
+    over_data = array.moment and bool(config.parallel.zero)
+    names = array.names
+    if config.parallel.stages > 1 and array.stack == "moe" and array.part != "biases":
+        # the pipelined stack, split over stages (its [R, U / R] form holds as many bytes)
+        names = (PIPELINED[1], *names[1:])
+    return mesh.placement(layout, names, shape, config.parallel.data, over_data)
+
+
+def split_of(axes, sizes: dict[str, int]) -> int:
+    """Devices one dimension is split over (1 when unsplit)."""
+    return split_size(axes, sizes)
+
+
+def device_bytes(config: Config, array: StateArray) -> int:
+    """Bytes of `array` on one device (the largest shard)."""
+    shape = array.shape
+    sizes = mesh_sizes(config)
+    spec = placement(config, array, shape)
+    return array.itemsize * math.prod(
+        -(-dim // split_of(axes, sizes)) for dim, axes in zip(shape, spec, strict=True)
+    )
+
+
+def units(config: Config) -> list[tuple[str, int]]:
+    """The repeated units in order: ('dense', 1) per dense-prefix layer, then
+    ('moe', moe_every) per MoE unit (moe_every - 1 dense blocks and one MoE block)."""
+    blocks: dict[tuple[str, int], int] = {}  # by `ModelConfig.block_of`, the model's rule
+    for layer in range(config.model.num_layers):
+        stack, unit, _, _ = config.model.block_of(layer)
+        blocks[stack, unit] = blocks.get((stack, unit), 0) + 1
+    return [(stack, count) for (stack, _), count in blocks.items()]
+
+
+def state_bytes(config: Config) -> dict[str, int]:
+    """params / grads / optimizer bytes of one device's share of the train state (every
+    stage holds the same: a pipeline's stack is split over 'stage' by `placement`)."""
+    out = {"params": 0, "grads": 0, "optimizer": 0}
+    for array in state_arrays(config):
+        size = device_bytes(config, array)
+        if array.part in ("params", "biases"):
+            out["params"] += size
+            out["grads"] += size if array.part == "params" else 0
+        else:
+            out["optimizer"] += size
+    return out
