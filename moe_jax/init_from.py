@@ -115,18 +115,24 @@ def _unpipelined(config: config_lib.Config) -> config_lib.Config:
 
 def _source_params(config: config_lib.Config, layout, say):
     """The source's parameters in their canonical form ([layers, ...] stacks, as a
-    checkpoint holds them), placed on this run's devices under this run's plan without
-    its pipeline (`_unpipelined`)."""
+    checkpoint holds them) on this run's devices. The same model is read under this
+    run's own plan, a pipelined stack split over 'stage' as its checkpoint restores it;
+    a dense source to upcycle (no stack to pipeline) under the plan without the
+    pipeline (`_unpipelined`)."""
     kind, source, family = _source(Path(config.train.init_from))
-    theirs = dataclasses.replace(_unpipelined(config), model=source.model, moe=source.moe)
-    theirs = check_plan(theirs, jax.device_count())
+    plan = config if config.train.upcycle == "none" else _unpipelined(config)
+    theirs = check_plan(
+        dataclasses.replace(plan, model=source.model, moe=source.moe), jax.device_count()
+    )
     devices = layout.mesh.devices.reshape(-1)
     their_layout = mesh_lib.make_layout(theirs, mesh_lib.make_mesh(theirs, devices))
     _, abstract = abstract_state(theirs, their_layout)
     shardings = mesh_lib.train_state_shardings(abstract, their_layout, theirs.parallel.zero)
     path = Path(config.train.init_from)
     if kind == "hf":
-        return load_params(path, family, theirs, abstract.params, shardings.params)
+        wanted = pipeline.canonical(with_shardings(abstract.params, shardings.params))
+        places = jax.tree.map(lambda x: x.sharding, wanted)
+        return load_params(path, family, theirs, wanted, places)
     checkpoints = Checkpointer(path / "checkpoints", theirs.train.keep_checkpoints)
     try:
         found = checkpoints.restore_newest(with_shardings(abstract, shardings), say)
@@ -134,7 +140,7 @@ def _source_params(config: config_lib.Config, layout, say):
         checkpoints.close()
     if found is None:
         raise ValueError(f"train.init_from={str(path)!r}: no readable checkpoint")
-    return found[1].params
+    return pipeline.canonical(found[1].params)
 
 
 def _layers(config: config_lib.Config, stack: str, block: int) -> list[int]:

@@ -305,7 +305,7 @@ def _first_step(config, parallel, source: Path, grad_accum: int = 1):
     run under `parallel` started by `train.init_from=source`."""
     from moe_jax import init_from
     from moe_jax.parallel import pipeline
-    from moe_jax.train_step import init_program, train_step
+    from moe_jax.train_step import init_program
     from tests.layouts import batch
 
     train = dataclasses.replace(config.train, init_from=str(source), grad_accum=grad_accum)
@@ -315,10 +315,20 @@ def _first_step(config, parallel, source: Path, grad_accum: int = 1):
     fresh = init_program(config, layout, jax.tree.map(lambda x: x.sharding, like))()
     params = init_from.initial_params(config, layout, fresh.params)
     state = dataclasses.replace(fresh, params=params)
+    start = dataclasses.replace(config.train, init_from="")  # the step reads no source
     sharding = mesh_lib.batch_sharding(layout)
     inputs = {k: jax.device_put(v, sharding) for k, v in batch(config).items()}
-    after, metrics = jax.jit(lambda s, b: train_step(graphdef, config, s, b))(state, inputs)
+    after, metrics = _step(graphdef, dataclasses.replace(config, train=start))(state, inputs)
     return jax.device_get(metrics), jax.device_get(pipeline.canonical(after.params)), state
+
+
+@cache
+def _step(graphdef, config):
+    """The jitted train step, one per plan: runs that differ only in where their weights
+    come from share it."""
+    from moe_jax.train_step import train_step
+
+    return jax.jit(lambda s, b: train_step(graphdef, config, s, b))
 
 
 def test_init_from_into_a_pipeline_trains_as_the_unpipelined_run(built, tmp_path):
