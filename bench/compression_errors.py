@@ -48,7 +48,8 @@ from moe_jax.checkpoint import Checkpointer
 from moe_jax.data import pipeline
 from moe_jax.parallel.fp8_exchange import E4M3, dequantize, quantize
 from moe_jax.parallel.layout import SINGLE_DEVICE, Layout
-from moe_jax.train_step import gradients, init_state
+from moe_jax.train_state import init_state
+from moe_jax.train_step import gradients
 
 ROOT = Path(__file__).resolve().parents[1]
 DEVICES = 8  # data-parallel devices whose gradients are summed

@@ -17,7 +17,8 @@ from timing import median_seconds
 
 from moe_jax.config import Config, ModelConfig, MoEConfig, TrainConfig
 from moe_jax.kernels.attention import FUNCTIONS
-from moe_jax.train_step import init_state, loss_fn
+from moe_jax.train_state import init_state
+from moe_jax.train_step import loss_fn
 
 GPU = jax.default_backend() == "gpu"
 

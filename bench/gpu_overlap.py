@@ -62,7 +62,7 @@ def step_program(attention: str, experts: str, chunks: int, ring: bool = False) 
     from moe_jax.config import Config, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
     from moe_jax.parallel import mesh as mesh_lib
     from moe_jax.plan.resolve import check_plan
-    from moe_jax.train_step import abstract_state, train_step, with_shardings
+    from moe_jax.train_step import RATE, abstract_state, train_step, with_shardings
 
     width, seq = (32, 64) if SMALL else (1024, 2048)
     config = Config(
@@ -94,7 +94,8 @@ def step_program(attention: str, experts: str, chunks: int, ring: bool = False) 
         (config.train.batch_size, seq), jnp.int32, sharding=mesh_lib.batch_sharding(layout)
     )
     step = jax.jit(partial(train_step, graphdef, config), donate_argnums=0)
-    lowered = step.lower(with_shardings(abstract, shardings), {"inputs": tokens, "targets": tokens})
+    batch = {"inputs": tokens, "targets": tokens}
+    lowered = step.lower(with_shardings(abstract, shardings), batch, RATE)
     return lowered.compile().as_text()
 
 

@@ -54,12 +54,15 @@ from moe_jax.config import (
     TrainConfig,
     validate,
 )
+from moe_jax.optimizer import rates
 from moe_jax.parallel import mesh as mesh_lib
 from moe_jax.plan.resolve import check_plan
+from moe_jax.train_state import TrainState
 from moe_jax.train_step import (
-    TrainState,
+    RATE,
     abstract_state,
     init_placed,
+    step_shardings,
     train_step,
     with_shardings,
 )
@@ -118,7 +121,7 @@ def held_bytes(tree) -> int:
 def compile_step(step, state: TrainState, batch: dict, label: str) -> tuple[Compiled, float]:
     """`step` compiled ahead of time, and the bytes its buffers need over all devices."""
     start = time.perf_counter()
-    compiled = step.lower(state, batch).compile()
+    compiled = step.lower(state, batch, RATE).compile()
     seconds = time.perf_counter() - start
     m = compiled.memory_analysis()
     new_outputs = m.output_size_in_bytes - m.alias_size_in_bytes
@@ -133,9 +136,11 @@ def compile_step(step, state: TrainState, batch: dict, label: str) -> tuple[Comp
     return compiled, need
 
 
-def timed_step(compiled: Compiled, state: TrainState, batch: dict) -> tuple[TrainState, float]:
+def timed_step(
+    compiled: Compiled, state: TrainState, batch: dict, lr: np.float32
+) -> tuple[TrainState, float]:
     start = time.perf_counter()
-    state, metrics = jax.block_until_ready(compiled(state, batch))
+    state, metrics = jax.block_until_ready(compiled(state, batch, lr))
     seconds = time.perf_counter() - start
     print(f"  step {int(state.step)}: {seconds:.2f} s, loss {float(metrics['loss']):.4f}")
     return state, seconds
@@ -168,7 +173,7 @@ def main() -> None:
     jit = partial(
         jax.jit,
         partial(train_step, graphdef, config),
-        in_shardings=(shardings, batch_sharding),
+        in_shardings=step_shardings(shardings, batch_sharding),
         out_shardings=(shardings, None),
     )
     # Compiled from abstract inputs before the state exists, as a real run can: the
@@ -202,11 +207,12 @@ def main() -> None:
     values = np.random.default_rng(0).integers(0, config.model.vocab_size, shape, np.int32)
     batch = jax.device_put({"inputs": values[:, :-1], "targets": values[:, 1:]}, batch_sharding)
     rss, seconds = {}, {}
+    lrs = iter(rates(config.train, 0, 2 * args.steps))  # the steps of both phases
     for label in ("donated", "not donated"):
         print(f"{label}:")
         times = []
         for _ in range(args.steps):
-            state, step_seconds = timed_step(steps[label], state, batch)
+            state, step_seconds = timed_step(steps[label], state, batch, next(lrs))
             times.append(step_seconds)
         rss[label], seconds[label] = peak_rss(), float(np.median(times[1:] or times))
 

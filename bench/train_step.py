@@ -39,9 +39,10 @@ from jax.sharding import PartitionSpec as P
 
 from moe_jax import flops
 from moe_jax.config import Config, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
+from moe_jax.optimizer import rates
 from moe_jax.parallel import mesh as mesh_lib
 from moe_jax.plan.resolve import check_plan
-from moe_jax.train_step import abstract_state, init_placed, train_step
+from moe_jax.train_step import RATE, abstract_state, init_placed, step_shardings, train_step
 
 MODEL = ModelConfig(
     vocab_size=1024,
@@ -87,7 +88,7 @@ def step_times(config: Config, steps: int) -> list[float]:
     state = init_placed(config, layout, state_sharding)
     step_fn = jax.jit(
         partial(train_step, graphdef, config),
-        in_shardings=(state_sharding, sharding),
+        in_shardings=step_shardings(state_sharding, sharding),
         out_shardings=(state_sharding, None),
         donate_argnums=0,
     )
@@ -98,11 +99,11 @@ def step_times(config: Config, steps: int) -> list[float]:
         "inputs": jax.device_put(tokens[:, :-1], sharding),
         "targets": jax.device_put(tokens[:, 1:], sharding),
     }
-    compiled = step_fn.lower(state, batch).compile()
+    compiled = step_fn.lower(state, batch, RATE).compile()
     times = []
-    for _ in range(steps):
+    for lr in rates(config.train, 0, steps):
         start = time.perf_counter()
-        state, metrics = compiled(state, batch)
+        state, metrics = compiled(state, batch, lr)
         jax.block_until_ready((state, metrics))
         times.append(time.perf_counter() - start)
     return times

@@ -16,6 +16,7 @@ import jax
 from moe_jax.config import Config
 from moe_jax.flops import active_matmul_params
 from moe_jax.plan import memory, state_arrays
+from moe_jax.plan.describe import plan_line
 
 GB = 1e9
 HOST_SHARE = 0.9  # of the machine's RAM, left to CPU devices (the rest: Python, the OS)
@@ -46,12 +47,9 @@ def summary(config: Config) -> tuple[memory.Memory, float, list[str]]:
     need = memory.memory_per_device(config)
     limit, source = device_limit(config)
     total, active = parameter_counts(config)
-    p = config.parallel
     lines = [
-        f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}; plan: attention="
-        f"{p.attention} experts={p.experts} n={p.intra} data={p.data} zero={p.zero} "
-        f"expert_fsdp={p.expert_fsdp} overlap_chunks={p.overlap_chunks} "
-        f"collective_matmul={p.collective_matmul}",
+        f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}; "
+        f"plan: {plan_line(config.parallel)}",
         f"parameters: {total / 1e6:,.1f}M, {active / 1e6:,.1f}M active per token",
         f"memory per device (predicted): {need.total / GB:.2f} GB ({_parts(need)}) of "
         f"{limit / GB:.2f} GB ({source})",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from moe_jax.config import TrainConfig
@@ -61,9 +62,23 @@ def decay_mask(cfg: TrainConfig):
     return lambda params: jax.tree_util.tree_map_with_path(decays, params)
 
 
-def adamw(cfg: TrainConfig) -> optax.GradientTransformation:
+def rates(cfg: TrainConfig, start: int = 0, stop: int | None = None) -> np.ndarray:
+    """The learning rates (float32) of the updates made from the states of steps
+    `start` to `stop` - 1 (default `train.steps` - 1; the state of step 0 takes the
+    first update), by `learning_rate`, computed at once on the host before a run: the
+    train step takes its rate as an argument, and reading one per step from the devices
+    would make the loop wait."""
+    stop = cfg.steps if stop is None else stop
+    steps = np.arange(start, max(stop, start), dtype=np.int32)
+    return np.asarray(learning_rate(cfg)(steps), np.float32).reshape(len(steps))
+
+
+def adamw(cfg: TrainConfig, lr: optax.Schedule | None = None) -> optax.GradientTransformation:
+    """`optax.adamw` at the schedule `learning_rate(cfg)`, or at `lr` (the train step
+    passes a schedule that returns the rate it was given). Either way the state holds
+    the schedule's step count, so checkpoints read the same tree."""
     return optax.adamw(
-        learning_rate(cfg),
+        learning_rate(cfg) if lr is None else lr,
         cfg.b1,
         cfg.b2,
         eps=cfg.eps,

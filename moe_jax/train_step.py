@@ -12,19 +12,17 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from moe_jax import optimizer
 from moe_jax.config import Config
 from moe_jax.model.loss import loss_chunks
 from moe_jax.moe.balancing import update_bias
-from moe_jax.optimizer import decay_mask as decay_mask  # re-exported: the optimizer's names
-from moe_jax.optimizer import learning_rate
-from moe_jax.optimizer import make_optimizer as make_optimizer
 from moe_jax.parallel import grad_exchange, per_device_step
 from moe_jax.parallel import mesh as mesh_lib
 from moe_jax.parallel.layout import Layout
-from moe_jax.train_state import TrainState, init_state  # the state: `moe_jax.train_state`
-from moe_jax.train_state import build_model as build_model
+from moe_jax.train_state import TrainState, init_state
 
 
 def abstract_state(config: Config, layout: Layout):
@@ -162,19 +160,32 @@ def accumulated(params, biases, graphdef, batch, config: Config, loss):
     return metrics, grads
 
 
-def train_step(graphdef, config: Config, state: TrainState, batch):
+# The learning rate's type: what a step compiled from abstract inputs is lowered with.
+RATE = jax.ShapeDtypeStruct((), jnp.float32)
+
+
+def step_shardings(state_sharding, batch_sharding: NamedSharding) -> tuple:
+    """`train_step`'s in_shardings: the state's, the batch's, and the learning rate on
+    every device (a host value, which a multi-process job may pass only replicated)."""
+    return state_sharding, batch_sharding, NamedSharding(batch_sharding.mesh, P())
+
+
+def train_step(graphdef, config: Config, state: TrainState, batch, lr):
     """Returns the next state and this step's metrics.
 
-    A step whose loss or gradient norm is not finite changes nothing but the
-    step counter and reports `skipped=1`.
+    `lr` is this step's learning rate, a float32 scalar computed on the host
+    (`moe_jax.optimizer.rates`): the schedule and `train.steps` stay out of the
+    program, so runs that differ only in them compile the same one (and share it
+    through the persistent compilation cache). A step whose loss or gradient norm is
+    not finite changes nothing but the step counter and reports `skipped=1`.
     """
     metrics, grads = gradients(state, graphdef, batch, config)
-    return apply_gradients(config, state, metrics, grads)
+    return apply_gradients(config, state, metrics, grads, lr)
 
 
-def apply_gradients(config: Config, state: TrainState, metrics: dict, grads):
-    """The clipped AdamW and router-bias updates of one step (`make_optimizer`'s), from
-    its gradients and metrics.
+def apply_gradients(config: Config, state: TrainState, metrics: dict, grads, lr):
+    """The clipped AdamW and router-bias updates of one step (`make_optimizer`'s, at the
+    learning rate `lr`), from its gradients and metrics.
 
     Written for XLA to update the donated state in place: the gradients are clipped
     before the update, in their own buffers (optax's clip inside the update would write
@@ -188,7 +199,7 @@ def apply_gradients(config: Config, state: TrainState, metrics: dict, grads):
     if cfg.grad_clip > 0:  # optax.clip_by_global_norm's rule
         scale = jnp.minimum(1.0, cfg.grad_clip / grad_norm)
         grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
-    adamw, rate = optimizer.adamw(cfg), config.moe.bias_update_rate
+    adamw, rate = optimizer.adamw(cfg, lambda count: lr), config.moe.bias_update_rate
 
     def update(current):
         params, opt_state, biases = current
@@ -206,7 +217,7 @@ def apply_gradients(config: Config, state: TrainState, metrics: dict, grads):
     rng = jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step))
     metrics.update(
         grad_norm=grad_norm,
-        lr=learning_rate(cfg)(state.step),
+        lr=jnp.asarray(lr, jnp.float32),
         skipped=1 - finite.astype(jnp.int32),
     )
     return TrainState(state.step + 1, params, biases, opt_state, rng), metrics

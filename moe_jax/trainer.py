@@ -18,13 +18,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_jax import checkpoint, flops, init_from, memory_check
+from moe_jax import checkpoint, flops, init_from, memory_check, optimizer
 from moe_jax import config as config_lib
 from moe_jax import workdir as workdir_lib
 from moe_jax.checkpoint import Checkpointer
 from moe_jax.data import pipeline
 from moe_jax.metrics import MetricsLogger, check_wandb, read_rows
 from moe_jax.parallel import mesh as mesh_lib
+from moe_jax.plan.describe import plan_line
 from moe_jax.plan.resolve import check_plan
 from moe_jax.plots import plot_run
 from moe_jax.preemption import StopRequest
@@ -32,6 +33,7 @@ from moe_jax.train_step import (
     abstract_state,
     eval_step,
     init_placed,
+    step_shardings,
     train_step,
     with_shardings,
 )
@@ -165,13 +167,7 @@ def run(config: config_lib.Config, workdir: str | Path) -> dict[str, Any]:
         chose = config.parallel.layout == "auto"
         config = check_plan(config, jax.device_count())
         if chose:
-            p = config.parallel
-            say(
-                f"planner chose attention={p.attention} experts={p.experts} intra={p.intra} "
-                f"data={p.data} zero={p.zero} expert_fsdp={p.expert_fsdp} "
-                f"overlap_chunks={p.overlap_chunks} collective_matmul={p.collective_matmul} "
-                f"stages={p.stages} microbatches={p.microbatches} repeats={p.repeats}"
-            )
+            say(f"planner chose {plan_line(config.parallel)}")
         if tc.warmup_steps >= tc.steps:
             say(
                 f"warning: train.warmup_steps={tc.warmup_steps} >= train.steps={tc.steps}: "
@@ -256,9 +252,11 @@ def _train(config, workdir: Path, layout, graphdef, placed, checkpoints, train_b
     if process == 0:  # one writer for the run's files in a multi-process job
         (workdir / "config.json").write_text(json.dumps(config_dict, indent=2) + "\n")
 
+    # The learning rate is an argument (`train_step`): one value per step, replicated.
+    rates = optimizer.rates(tc, start)
     step_fn = jax.jit(
         partial(train_step, graphdef, config),
-        in_shardings=(state_sharding, sharding),
+        in_shardings=step_shardings(state_sharding, sharding),
         out_shardings=(state_sharding, None),
         donate_argnums=0,  # the new state reuses the old one's buffers
     )
@@ -299,7 +297,7 @@ def _train(config, workdir: Path, layout, graphdef, placed, checkpoints, train_b
                 batch = pipeline.global_array(next(train_batches), sharding, tc.batch_size)
                 if step == start + 1:
                     say("compiling the train step...")
-                state, metrics = step_fn(state, batch)
+                state, metrics = step_fn(state, batch, rates[step - start - 1])
                 if step == start + 1:  # compiled and run once: kept out of the throughput
                     jax.block_until_ready(metrics)
                     say(f"first step (compiling included) took {time.perf_counter() - clock:.1f} s")

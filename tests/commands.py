@@ -1,5 +1,6 @@
-"""The command lines as a user types them, and one way to run them in a subprocess
-(one CPU device, from a directory of the test's choosing)."""
+"""The command lines as a user types them, and two ways to run them (one CPU device, from a
+directory of the test's choosing): a real subprocess, or a fork of one warm interpreter
+(`tests.warm`: the same command, without Python's start-up and imports)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+from tests import warm as warm_commands
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMANDS = {
@@ -29,9 +32,12 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
-def run_command(cwd: Path, command: str, args: list[str], timeout: int = 300):
-    """`command` with `args`, run in `cwd` on one CPU device (no forced devices)."""
+def run_command(cwd: Path, command: str, args: list[str], timeout: int = 300, warm: bool = False):
+    """`command` with `args`, run in `cwd` on one CPU device (no forced devices); with
+    `warm`, forked from the warm interpreter of `tests.warm` instead of a new Python."""
     env = subprocess_env(JAX_PLATFORMS="cpu")
+    if warm:
+        return warm_commands.run(cwd, [*COMMANDS[command], *args], env, timeout)
     return subprocess.run(
         [sys.executable, *COMMANDS[command], *args],
         cwd=cwd,

@@ -20,10 +20,12 @@ from flax import nnx
 from moe_jax.config import Config, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
 from moe_jax.model.transformer import Transformer
 from moe_jax.moe.block import RouterBias
+from moe_jax.optimizer import rates
 from moe_jax.parallel import mesh as mesh_lib
 from moe_jax.parallel.layout import SINGLE_DEVICE
 from moe_jax.plan.resolve import check_plan
-from moe_jax.train_step import apply_gradients, gradients, init_state, loss_fn
+from moe_jax.train_state import init_state
+from moe_jax.train_step import RATE, apply_gradients, gradients, loss_fn, step_shardings
 
 BASE = Config(
     model=ModelConfig(
@@ -58,11 +60,11 @@ def batch(config: Config = BASE) -> dict[str, np.ndarray]:
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
 
 
-def step_and_grads(graphdef, config: Config, state, batch):
+def step_and_grads(graphdef, config: Config, state, batch, lr):
     """The trainer's step (`gradients` then `apply_gradients`), also returning the
     gradients it applied."""
     metrics, grads = gradients(state, graphdef, batch, config)
-    state, metrics = apply_gradients(config, state, metrics, grads)
+    state, metrics = apply_gradients(config, state, metrics, grads, lr)
     return state, metrics, grads
 
 
@@ -87,16 +89,17 @@ def run_under(config: Config, layout) -> Run:
         sharding = mesh_lib.batch_sharding(layout)
         inputs = {k: jax.device_put(v, sharding) for k, v in inputs.items()}
         shardings = {
-            "in_shardings": (state_sharding, sharding),
+            "in_shardings": step_shardings(state_sharding, sharding),
             "out_shardings": (state_sharding, None, None),
         }
     step = jax.jit(partial(step_and_grads, graphdef, config), donate_argnums=0, **shardings)
-    lowered = step.lower(state, inputs)
+    lowered = step.lower(state, inputs, RATE)
     compiled = lowered.compile(compiler_options=FAST_COMPILE)
-    state, metrics, grads = compiled(state, inputs)
+    lr, *more = rates(config.train, 0, STEPS)
+    state, metrics, grads = compiled(state, inputs, lr)
     first = jax.device_get((metrics, grads))
-    for _ in range(STEPS - 1):
-        state, _, _ = compiled(state, inputs)
+    for lr in more:
+        state, _, _ = compiled(state, inputs, lr)
     return Run(config, *first, state, compiled.as_text(), lowered.as_text(debug_info=True))
 
 

@@ -6,6 +6,10 @@ Every case must end with a non-zero exit status, no traceback on stderr, and a l
 stderr line that is one `error:` line naming the setting or path at fault; and every
 file under the directory it ran in (workdirs, data, configs) must be byte-identical
 afterwards, except damaged checkpoints that the run moved to `checkpoints-damaged/`.
+
+The cases of `REAL` (some of every command) run as real subprocesses, proving the
+command line itself; the others run the same command forked from a warm interpreter
+(`tests.warm`), which spares each case Python's start and the imports.
 """
 
 from __future__ import annotations
@@ -537,9 +541,31 @@ def _moved_aside(before: dict[str, str], steps: tuple[int, ...]) -> dict[str, st
     return moved
 
 
+# Real subprocesses: for every command a flag error and an error of its own.
+REAL = {
+    "train-trian_section",
+    "workdir_is_a_file",
+    "resume_changed_batch_size",
+    "plan-trian_section",
+    "plan_no_layout",
+    "comm_report-trian_section",
+    "compare_on_one_device",
+    "prepare_input_missing",
+    "prepare_disk_full",
+    "launch_no_processes",
+    "launch_bad_setting",
+    "sample_not_a_run",
+    "evaluate_changes_the_model",
+    "convert_import_no_config_json",
+}
+
+
 def test_there_are_enough_cases():
     assert len(CASES) >= 40
     assert {case.command for case in CASES} == set(COMMANDS)
+    real = [case for case in CASES if case.name in REAL]
+    assert len(real) == len(REAL)  # each name is a case's
+    assert {case.command for case in real} == set(COMMANDS)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
@@ -550,7 +576,7 @@ def test_bad_input_is_one_line_and_changes_nothing(tmp_path: Path, template, cas
             case.setup(place)
         before = _snapshot(tmp_path)
         args = [arg.replace("{root}", str(tmp_path)) for arg in case.args]
-        done = run_command(tmp_path, case.command, args)
+        done = run_command(tmp_path, case.command, args, warm=case.name not in REAL)
         assert done.returncode != 0, done.stdout[-2000:]
         first = done.stderr.find("Traceback")
         assert first < 0, done.stderr[:600] + " ... " + done.stderr[first : first + 1500]

@@ -16,7 +16,8 @@ from flax import nnx
 from moe_jax.model.loss import auto_chunks, chunked_cross_entropy
 from moe_jax.moe.block import RouterBias
 from moe_jax.plan.resolve import check_plan
-from moe_jax.train_step import build_model, loss_fn
+from moe_jax.train_state import build_model
+from moe_jax.train_step import loss_fn
 from tests.layouts import BASE, assert_trees_close, batch, with_plan
 from tests.settings import make_config
 

@@ -15,7 +15,9 @@ from flax import nnx
 from moe_jax.config import Config, ModelConfig, MoEConfig, TrainConfig
 from moe_jax.model.attention import Attention
 from moe_jax.model.transformer import Transformer
-from moe_jax.train_step import init_state, train_step
+from moe_jax.optimizer import rates
+from moe_jax.train_state import init_state
+from moe_jax.train_step import train_step
 
 LOGICAL_AXES = {
     "layers",
@@ -209,8 +211,8 @@ def test_tiny_model_overfits_fixed_batch():
     graphdef, state = init_state(config)
     step = jax.jit(partial(train_step, graphdef, config))
     losses = []
-    for _ in range(config.train.steps):
-        state, metrics = step(state, batch)
+    for lr in rates(config.train):
+        state, metrics = step(state, batch, lr)
         losses.append(float(metrics["lm_loss"]))
     assert losses[-1] < 0.1 * losses[0], (losses[0], losses[-1])
     assert float(jnp.abs(jax.tree.leaves(state.biases)[0]).sum()) > 0  # biases were updated

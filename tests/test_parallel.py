@@ -205,7 +205,7 @@ def test_trainer_takes_the_planners_layout(tmp_path, capsys):
         train=TrainConfig(batch_size=8, seq_len=16, steps=2, log_every=1, eval_batches=1),
         data=DataConfig(source="synthetic"),
     )
-    chosen = choose_plan(config, 8, "h800")
+    chosen = dataclasses.asdict(choose_plan(config, 8, "h800"))
     trainer.run(config, tmp_path)
     row = next(r for r in read_rows(tmp_path / "metrics.jsonl") if "loss" in r)
     assert {k: row[f"plan_{k}"] for k in chosen} == chosen

@@ -94,7 +94,7 @@ MEGASCALE_352B = textwrap.dedent(
     from moe_jax.parallel import mesh as mesh_lib
     from moe_jax.plan import memory
     from moe_jax.plan.resolve import check_plan
-    from moe_jax.train_step import abstract_state, train_step, with_shardings
+    from moe_jax.train_step import RATE, abstract_state, train_step, with_shardings
     base = config_lib.load(runpy.run_path("configs/megascale_352b.py")["get_config"]())
     # One pipeline of the planner's 1,440-H800 plan (`python -m moe_jax.plan
     # --config=configs/megascale_352b.py --gpus=1440`: 15 stages x 4 repeats of sp
@@ -121,7 +121,7 @@ MEGASCALE_352B = textwrap.dedent(
         partial(train_step, graphdef, config), donate_argnums=0, out_shardings=(shardings, None)
     )
     placed = with_shardings(abstract, shardings)
-    compiled = step.lower(placed, {"inputs": tokens, "targets": tokens}).compile()
+    compiled = step.lower(placed, {"inputs": tokens, "targets": tokens}, RATE).compile()
     m = compiled.memory_analysis()
     held = m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes
     held -= m.alias_size_in_bytes
@@ -160,7 +160,7 @@ def test_temporaries_grow_with_micro_batches_as_the_memory_model_says():
     prefix here: its backward's working set on XLA:CPU's blockwise attention is not the
     pipeline's.)"""
     from moe_jax.plan import memory
-    from moe_jax.train_step import train_step
+    from moe_jax.train_step import RATE, train_step
 
     def temp_and_model(micro: int, repeats: int) -> tuple[int, int]:
         config = pipelined(2, 1, 4, micro, repeats)
@@ -177,7 +177,8 @@ def test_temporaries_grow_with_micro_batches_as_the_memory_model_says():
             out_shardings=(shardings, None),
             donate_argnums=0,
         )
-        compiled = step.lower(abstract, {"inputs": tokens, "targets": tokens}).compile()
+        batch = {"inputs": tokens, "targets": tokens}
+        compiled = step.lower(abstract, batch, RATE).compile()
         return compiled.memory_analysis().temp_size_in_bytes, memory.memory_per_device(
             config
         ).activations

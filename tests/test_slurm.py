@@ -28,7 +28,7 @@ import pytest
 from moe_jax.checkpoint import Checkpointer
 from moe_jax.parallel import mesh as mesh_lib
 from moe_jax.plan.resolve import resolve
-from moe_jax.train_step import init_state
+from moe_jax.train_state import init_state
 from tests.multihost import MODEL, MORE_STEPS, ROOT, SAVED_PLAN, STEPS, flags, losses, train
 from tests.settings import make_config
 

@@ -1,4 +1,5 @@
-"""The training step's optimizer pieces: gradient accumulation, decay mask, schedule."""
+"""The training step's optimizer pieces: gradient accumulation, decay mask, schedule, and
+the learning rate as the step's argument."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ from functools import partial
 
 import jax
 import numpy as np
+import optax
 import pytest
 
 from moe_jax.config import Config, ModelConfig, MoEConfig, TrainConfig
-from moe_jax.train_step import decay_mask, init_state, learning_rate, train_step
+from moe_jax.optimizer import decay_mask, learning_rate, rates
+from moe_jax.train_state import init_state
+from moe_jax.train_step import RATE, gradients, train_step
 
 SMALL = Config(
     model=ModelConfig(embed_dim=32, head_dim=8, mlp_dim=64),
@@ -34,7 +38,8 @@ def test_gradient_accumulation_matches_one_big_batch():
             SMALL, train=dataclasses.replace(SMALL.train, grad_accum=micro)
         )
         graphdef, state = init_state(config)
-        state, metrics = jax.jit(partial(train_step, graphdef, config))(state, _batch())
+        step = jax.jit(partial(train_step, graphdef, config))
+        state, metrics = step(state, _batch(), rates(config.train)[0])
         results.append((state, metrics))
     (one, m1), (two, m2) = results
     np.testing.assert_allclose(m1["lm_loss"], m2["lm_loss"], rtol=1e-5)
@@ -111,3 +116,56 @@ def test_inverse_sqrt_falls_as_one_over_root_step_down_to_the_floor():
     lr = _schedule("inverse_sqrt", steps=2000)
     np.testing.assert_allclose([lr(10), lr(40), lr(160)], [1.0, 0.5, 0.25], rtol=1e-6)
     np.testing.assert_allclose(lr(2000), 0.1, rtol=1e-6)  # sqrt(10/2000) = 0.07 < floor
+
+
+def _lowered(config: Config) -> str:
+    graphdef, state = jax.eval_shape(lambda: init_state(config))
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), _batch())
+    step = jax.jit(partial(train_step, graphdef, config), donate_argnums=0)
+    return step.lower(state, batch, RATE).as_text()
+
+
+def test_the_schedule_and_the_run_length_stay_out_of_the_program():
+    """Runs that differ only in train.steps, the warmup, the schedule and its peak lower
+    to one program (the learning rate is an argument), so the persistent compilation
+    cache shares it; a setting the step does use still changes it."""
+    schedule = dict(steps=1000, warmup_steps=100, schedule="wsd", learning_rate=1e-2)
+    other = dataclasses.replace(SMALL, train=dataclasses.replace(SMALL.train, **schedule))
+    assert _lowered(other) == _lowered(SMALL)
+    decay = dataclasses.replace(SMALL, train=dataclasses.replace(SMALL.train, weight_decay=0.5))
+    assert _lowered(decay) != _lowered(SMALL)
+
+
+@pytest.mark.parametrize("clip", [1.0, 0.0])
+def test_each_step_updates_at_its_scheduled_rate_as_optax_adamw(clip: float):
+    """Five steps through warmup and cosine decay, the rate passed in from the host, match
+    optax's own clipped AdamW that reads the schedule itself (decoupled weight decay
+    scaled by the rate included); the logged rate is the schedule's, and the optimizer
+    state keeps the tree that checkpoints hold."""
+    train = dict(steps=5, warmup_steps=2, learning_rate=1e-2, weight_decay=0.1, grad_clip=clip)
+    config = dataclasses.replace(SMALL, train=dataclasses.replace(SMALL.train, **train))
+    cfg = config.train
+    adamw = optax.adamw(
+        learning_rate(cfg),
+        cfg.b1,
+        cfg.b2,
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        mask=decay_mask(cfg),
+    )
+    reference = optax.chain(optax.clip_by_global_norm(clip), adamw) if clip else adamw
+    graphdef, state = init_state(config)
+    params, opt_state = state.params, reference.init(state.params)
+    step = jax.jit(partial(train_step, graphdef, config))
+    grads_of = jax.jit(lambda state, batch: gradients(state, graphdef, batch, config)[1])
+    for i, lr in enumerate(rates(cfg)):
+        batch = _batch(i)
+        grads = grads_of(dataclasses.replace(state, params=params), batch)
+        updates, opt_state = reference.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        state, metrics = step(state, batch, lr)
+        np.testing.assert_allclose(float(metrics["lr"]), float(learning_rate(cfg)(i)), rtol=1e-6)
+        for got, want in zip(jax.tree.leaves(state.params), jax.tree.leaves(params), strict=True):
+            np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-7)
+    assert [float(x) for x in rates(cfg)][:3] == pytest.approx([0.0, 5e-3, 1e-2])
+    assert jax.tree.structure(state.opt_state) == jax.tree.structure(opt_state)

@@ -26,7 +26,7 @@ from moe_jax.checkpoint import Checkpointer
 from moe_jax.data import pipeline
 from moe_jax.data.token_files import write_meta, write_split
 from moe_jax.metrics import read_rows
-from moe_jax.train_step import init_state
+from moe_jax.train_state import init_state
 from tests.commands import subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -17,7 +17,8 @@ from moe_jax import config as config_lib
 from moe_jax import saved_run
 from moe_jax.checkpoint import Checkpointer
 from moe_jax.convert import families, hf_export, hf_import
-from moe_jax.train_step import TrainState, make_optimizer
+from moe_jax.optimizer import make_optimizer
+from moe_jax.train_state import TrainState
 
 CONFIG_FILE = '''"""{architecture} imported from {source} by `python -m moe_jax.convert import`.
 

@@ -51,9 +51,11 @@ from moe_jax import config as config_lib
 from moe_jax.parallel import mesh as mesh_lib
 from moe_jax.parallel import scopes
 from moe_jax.plan import comm_volume, param_traffic
+from moe_jax.plan.describe import plan_line
 from moe_jax.plan.resolve import check_plan
 from moe_jax.tools import hlo_collectives, lowered_dtypes
-from moe_jax.train_step import init_state, train_step
+from moe_jax.train_state import init_state
+from moe_jax.train_step import RATE, step_shardings, train_step
 
 CONVENTION = (
     "bytes = sent by one device per execution; S = its buffer: all-gather, reduce-scatter, "
@@ -85,10 +87,10 @@ def compile_step(
     }
     step_fn = jax.jit(
         partial(train_step, graphdef, config),
-        in_shardings=(state_sharding, sharding),
+        in_shardings=step_shardings(state_sharding, sharding),
         out_shardings=(state_sharding, None),
     )
-    lowered = step_fn.lower(state, batch)
+    lowered = step_fn.lower(state, batch, RATE)
     compiled = lowered.compile(compiler_options=compiler_options)
     return compiled.as_text(), lowered.as_text(debug_info=True)
 
@@ -112,6 +114,7 @@ def summarize(config: config_lib.Config, collectives: list) -> dict:
     total = (measured["token_exchange"] + measured["router_stats"]) / per_layer  # the layers
     rows = hlo_collectives.aggregate(collectives)
     return {
+        "plan": plan_line(p),
         "attention": p.attention,
         "experts": p.experts,
         "n": p.intra,
@@ -192,10 +195,7 @@ def format_report(result: dict) -> str:
     )
     lines += [
         "",
-        f"plan: attention={result['attention']} experts={result['experts']} "
-        f"intra n={result['n']} data={result['data']} zero={result['zero']} "
-        f"expert_fsdp={result['expert_fsdp']}; compiled in "
-        f"{result['compile_seconds']} s",
+        f"plan: {result['plan']}; compiled in {result['compile_seconds']} s",
         f"activation bytes per MoE layer per device, forward ({per}):",
         f"  measured  {a['measured']:>14,.0f}  (token_exchange "
         f"{a['measured_token_exchange']:,.0f}, router_stats {a['measured_router_stats']:,.0f})",
