@@ -25,7 +25,7 @@ from moe_jax import config as config_lib
 from moe_jax.config import Config
 from moe_jax.memory_check import parameter_counts
 from moe_jax.plan import memory, planner
-from moe_jax.plan.cost_model import sized_config
+from moe_jax.plan.describe import plan_line
 from moe_jax.plan.resolve import check_plan
 
 GB = 1e9
@@ -56,20 +56,17 @@ def main() -> None:
     base = config_lib.load(raw)
     best = planner.rank(base, args.gpus, args.gpu, pp=1, limit=1, grad_sync="per_micro_batch")
     plan = best.best.plan
-    config = check_plan(sized_config(base, plan, base.train.batch_size), args.gpus)
+    config = check_plan(plan.config(base, base.train.batch_size), args.gpus)
     total, active = parameter_counts(config)
-    p = config.parallel
     need = memory.memory_per_device(config)
     print(
         f"Mixtral-8x7B on {args.gpus} x {args.gpu}: {total / 1e9:.1f}B parameters, "
         f"{active / 1e9:.1f}B active per token"
     )
     print(
-        f"plan: attention={p.attention} experts={p.experts} n={p.intra} data={p.data} "
-        f"zero={p.zero} expert_fsdp={p.expert_fsdp} vocab_parallel={p.vocab_parallel} "
-        f"overlap_chunks={p.overlap_chunks} collective_matmul={p.collective_matmul}, "
-        f"micro-batch {plan.micro_batch} x {config.train.grad_accum}, remat="
-        f"{config.model.remat}, attention_impl={config.model.attention_impl}"
+        f"plan: {plan_line(config.parallel)}, micro-batch {best.best.cost.micro_batch} x "
+        f"{config.train.grad_accum}, remat={config.model.remat}, "
+        f"attention_impl={config.model.attention_impl}"
     )
     print(_line("with every feature (what the trainer prints)", need))
     whole = 4 * total

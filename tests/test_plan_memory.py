@@ -42,7 +42,8 @@ from moe_jax.parallel import mesh as mesh_lib
 from moe_jax.plan import memory, param_traffic, state_arrays
 from moe_jax.plan.resolve import check_plan
 from moe_jax.tools import comm_report
-from moe_jax.train_step import init_state, loss_fn
+from moe_jax.train_state import init_state
+from moe_jax.train_step import loss_fn
 from tests.commands import subprocess_env
 
 FAST = {"xla_backend_optimization_level": 0}
@@ -334,48 +335,38 @@ def test_init_program_outputs_only_each_devices_share(plan):
     assert output == predicted.params + predicted.optimizer + tuple_table
 
 
-@pytest.mark.parametrize("overlap", ["planned", "rings", "compressed"])
-def test_mixtral_8x7b_train_step_compiles_on_64_devices_as_the_memory_model_says(overlap):
-    """The real model under the plan the planner picks for 64 H100 (80 GB; bf16,
-    model.remat='selective', experts split over data where it needs them), compiled from
-    abstract inputs on 64 forced CPU devices (nothing allocated; its float32 weights,
-    gradients and AdamW state alone are ~93 GB per device over 8). The start-up program
-    writes each device exactly the plan's share of the 560 GB state, and the whole
-    32-layer train step's memory per device (XLA's arguments, temporaries and outputs
-    less what donation aliases) is within 15% of the memory model. "rings": the same
-    plan with both overlaps, expert blocks in 2 chunks (parallel.overlap_chunks) and
-    every tp and etp exchange a ring (parallel.collective_matmul; on CPU each chunk's
-    ring step pads its own expert tiles, which the memory model counts), so both hold
-    at this scale too. "compressed": the planned plan with FP8 token exchange and the
-    bf16 all-to-all gradient exchange (the step inside one shard_map over the mesh)."""
-    script = textwrap.dedent(
-        """
-        import dataclasses, os, runpy, sys
-        OVERLAP = sys.argv[1]
-        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=64"
-        os.environ["JAX_PLATFORMS"] = "cpu"
-        from functools import partial
-        import jax, jax.numpy as jnp
-        from moe_jax import config as config_lib
-        from moe_jax.parallel import mesh as mesh_lib
-        from moe_jax.plan import memory, planner
-        from moe_jax.plan.cost_model import sized_config
-        from moe_jax.plan.resolve import check_plan
-        from moe_jax.train_step import abstract_state, init_program, train_step, with_shardings
-        raw = runpy.run_path("configs/mixtral_8x7b.py")["get_config"]()
-        raw.model.remat = "selective"
-        base = config_lib.load(raw)
-        ranking = planner.rank(base, 64, "h100", pp=1, limit=1, grad_sync="per_micro_batch")
-        best = ranking.best
-        assert planner.fits(best.memory, ranking.gpu), best.memory
-        plan = best.plan
-        if OVERLAP == "rings":
-            plan = dataclasses.replace(plan, overlap_chunks=2, collective_matmul=True)
-        if OVERLAP == "compressed":
+# Mixtral 8x7B on 64 forced CPU devices: one subprocess compiles every variant asked for
+# (argv), printing one line per variant: its name, the plan, then the numbers compared.
+MIXTRAL_64 = textwrap.dedent(
+    """
+    import dataclasses, os, runpy, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=64"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    from functools import partial
+    import jax, jax.numpy as jnp
+    from moe_jax import config as config_lib
+    from moe_jax.parallel import mesh as mesh_lib
+    from moe_jax.plan import memory, planner
+    from moe_jax.plan.resolve import check_plan
+    from moe_jax.train_step import RATE, abstract_state, init_program, train_step
+    from moe_jax.train_step import with_shardings
+    raw = runpy.run_path("configs/mixtral_8x7b.py")["get_config"]()
+    raw.model.remat = "selective"
+    planned = config_lib.load(raw)
+    ranking = planner.rank(planned, 64, "h100", pp=1, limit=1, grad_sync="per_micro_batch")
+    best = ranking.best
+    assert planner.fits(best.memory, ranking.gpu), best.memory
+    for overlap in sys.argv[1:]:
+        base, plan = planned, best.plan
+        if overlap == "rings":
+            rings = dict(overlap_chunks=2, collective_matmul=True)
+            plan = dataclasses.replace(plan, parallel=dataclasses.replace(plan.parallel, **rings))
+        if overlap == "compressed":
             compressed = dict(token_dtype="fp8", grad_exchange="bf16_a2a")
-            parallel = dataclasses.replace(base.parallel, **compressed)
-            base = dataclasses.replace(base, parallel=parallel)
-        config = check_plan(sized_config(base, plan, base.train.batch_size), 64)
+            plan = dataclasses.replace(
+                plan, parallel=dataclasses.replace(plan.parallel, **compressed)
+            )
+        config = check_plan(plan.config(base, base.train.batch_size), 64)
         layout = mesh_lib.make_layout(config, mesh_lib.make_mesh(config))
         graphdef, abstract = abstract_state(config, layout)
         shardings = mesh_lib.train_state_shardings(abstract, layout, config.parallel.zero)
@@ -392,28 +383,57 @@ def test_mixtral_8x7b_train_step_compiles_on_64_devices_as_the_memory_model_says
             out_shardings=(shardings, None),
         )
         batch = {"inputs": tokens, "targets": tokens}
-        m = step.lower(with_shardings(abstract, shardings), batch).compile().memory_analysis()
+        placed = with_shardings(abstract, shardings)
+        m = step.lower(placed, batch, RATE).compile().memory_analysis()
         compiled = (
             m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes
             - m.alias_size_in_bytes
         )
         p = config.parallel
-        print(p.attention, p.experts, p.expert_fsdp, p.token_dtype, p.grad_exchange,
+        print(overlap, p.attention, p.experts, p.expert_fsdp, p.token_dtype, p.grad_exchange,
               p.overlap_chunks, p.collective_matmul, init.output_size_in_bytes,
-              need.params + need.optimizer + tuple_table, whole, compiled, need.total)
-        """
-    )
-    root = Path(__file__).resolve().parents[1]
+              need.params + need.optimizer + tuple_table, whole, compiled, need.total,
+              flush=True)
+    """
+)
+MIXTRAL_64_TEST = "test_mixtral_8x7b_train_step_compiles_on_64_devices_as_the_memory_model_says"
+
+
+@pytest.fixture(scope="module")
+def mixtral_64(request) -> dict[str, list[str]]:
+    """The variants this session runs, compiled in one subprocess (one start, one plan
+    search, one model for all of them): variant -> the fields it printed."""
+    items = request.session.items
+    wanted = [i.callspec.params["overlap"] for i in items if i.originalname == MIXTRAL_64_TEST]
     run = subprocess.run(
-        [sys.executable, "-c", script, overlap],
-        cwd=root,
+        [sys.executable, "-c", MIXTRAL_64, *dict.fromkeys(wanted)],
+        cwd=Path(__file__).resolve().parents[1],
         env=subprocess_env(),
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=1200,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    *plan, init, share, whole, compiled, predicted = run.stdout.split()
+    return {line.split()[0]: line.split()[1:] for line in run.stdout.splitlines()}
+
+
+@pytest.mark.parametrize("overlap", ["planned", "rings", "compressed"])
+def test_mixtral_8x7b_train_step_compiles_on_64_devices_as_the_memory_model_says(
+    overlap, mixtral_64
+):
+    """The real model under the plan the planner picks for 64 H100 (80 GB; bf16,
+    model.remat='selective', experts split over data where it needs them), compiled from
+    abstract inputs on 64 forced CPU devices (nothing allocated; its float32 weights,
+    gradients and AdamW state alone are ~93 GB per device over 8). The start-up program
+    writes each device exactly the plan's share of the 560 GB state, and the whole
+    32-layer train step's memory per device (XLA's arguments, temporaries and outputs
+    less what donation aliases) is within 15% of the memory model. "rings": the same
+    plan with both overlaps, expert blocks in 2 chunks (parallel.overlap_chunks) and
+    every tp and etp exchange a ring (parallel.collective_matmul; on CPU each chunk's
+    ring step pads its own expert tiles, which the memory model counts), so both hold
+    at this scale too. "compressed": the planned plan with FP8 token exchange and the
+    bf16 all-to-all gradient exchange (the step inside one shard_map over the mesh)."""
+    *plan, init, share, whole, compiled, predicted = mixtral_64[overlap]
     assert int(init) == int(share)  # each device writes only its share of the state
     assert int(whole) > 500e9 and int(init) < int(whole) / 40
     assert int(compiled) == pytest.approx(int(predicted), rel=0.15), (plan, compiled, predicted)
@@ -429,7 +449,7 @@ def test_gradient_accumulation_holds_a_second_gradient():
     """With several micro-batches the step holds the gradients' running sum and one
     micro-batch's: XLA's temporaries grow by one gradient (the memory model's grads
     double), whatever the number of micro-batches."""
-    from moe_jax.train_step import train_step
+    from moe_jax.train_step import RATE, train_step
 
     def temp(accum: int) -> int:
         config = _plan(BASE, "sp", "ep_a2a", remat="full")
@@ -444,7 +464,7 @@ def test_gradient_accumulation_holds_a_second_gradient():
             (8 * accum, 16), jnp.int32, sharding=mesh_lib.batch_sharding(layout)
         )
         step = jax.jit(functools.partial(train_step, graphdef, config), donate_argnums=0)
-        lowered = step.lower(state, {"inputs": tokens, "targets": tokens})
+        lowered = step.lower(state, {"inputs": tokens, "targets": tokens}, RATE)
         compiled = lowered.compile(compiler_options=FAST)
         return compiled.memory_analysis().temp_size_in_bytes, memory.memory_per_device(config)
 

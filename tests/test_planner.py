@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from moe_jax import config as config_lib
-from moe_jax.config import Config
+from moe_jax.config import Config, ParallelConfig
 from moe_jax.parallel import registry
 from moe_jax.plan import cost_model, hardware, op_costs, paper_modes, paper_table, planner, schedule
-from moe_jax.plan.cost_model import Plan
+from moe_jax.plan.cost_model import make_plan
 from moe_jax.plan.op_costs import Link
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,15 +39,18 @@ def table3() -> tuple[paper_table.Row, ...]:
 def test_bubble_is_one_f_one_b():
     assert schedule.bubble_fraction(15, 60) == pytest.approx(14 / 74)
     assert schedule.bubble_fraction(1, 8) == 0
-    cost = cost_model.step_cost(load("megascale_352b"), Plan("sp", "ep_ag", 8, 12, 15), H800, 720)
+    config = load("megascale_352b")
+    plan = make_plan(config, 720, "sp", "ep_ag", 8, 12, 15)
+    cost = cost_model.step_cost(config, plan, H800, 720)
     assert cost.micro_batches == 60
     assert cost.breakdown["bubble"] == pytest.approx(14 * cost.micro_batch_s)
     assert sum(cost.breakdown.values()) == pytest.approx(cost.step_s)
 
 
-def _pipeline(name: str, plan: Plan, batch: int) -> cost_model.CostModel:
+def _pipeline(name: str, batch: int, *layout, **settings) -> cost_model.CostModel:
     """The cost model of a plan of a config, checked to be one the trainer runs."""
     config = load(name)
+    plan = make_plan(config, batch, *layout, **settings)
     assert planner.problem(config, plan, batch, H800) is None
     return cost_model.CostModel(config, plan, H800, batch, op_costs.Efficiency())
 
@@ -59,7 +62,7 @@ def test_pipeline_step_is_gpipe_ticks_and_the_parts_outside():
     runs its forward once more (rematerialised) and sends 1024 tokens of 2048 bf16 on
     and back over the network; the dense layer and head run for K = 4 micro-batches per
     stage outside the ticks, after 4 (S - 1) sends of those to stage 0 and back."""
-    model = _pipeline("deepseek_moe_16b", Plan("sp", "ep_a2a", 8, 4, 3, micro_batch=2), 96)
+    model = _pipeline("deepseek_moe_16b", 96, "sp", "ep_a2a", 8, 4, 3, micro_batch=2)
     cost = model.step()
     send = 10e-6 + 1024 * 2048 * 2 / (H800.network_bandwidth * 0.88)
     assert model.send_s(model.t) == pytest.approx(send)
@@ -87,9 +90,7 @@ def test_circular_repeats_shrink_the_bubble():
     """Mixtral-8x7B over S = 4 stages, M = 16 / (2 x 1) = 8 micro-batches: R = 2 repeats
     cut the bubble from 3/11 to 3/19 of the ticks, and halve each tick's group (16 units
     to 8), so the bubble's seconds fall to half but for the sends, which do not shrink."""
-    models = {
-        r: _pipeline("mixtral_8x7b", Plan("sp", "ep_a2a", 8, 2, 4, repeats=r), 16) for r in (1, 2)
-    }
+    models = {r: _pipeline("mixtral_8x7b", 16, "sp", "ep_a2a", 8, 2, 4, repeats=r) for r in (1, 2)}
     costs = {r: m.step() for r, m in models.items()}
     assert costs[1].bubble == pytest.approx(3 / 11)
     assert costs[2].bubble == pytest.approx(3 / 19) == schedule.bubble_fraction(4, 8, 2)
@@ -107,14 +108,16 @@ def test_every_pipeline_planned_is_one_the_trainer_runs(name: str, gpus: int, ba
     """Whatever pipeline the planner offers passes the trainer's own checks for its
     devices: the MoE stack cut into S R whole groups, M a multiple of S, grad_accum 1."""
     config = load(name)
-    planned = [p for p in planner.plans(config, gpus, H800, batch, micro_batch=1) if p.pp > 1]
-    assert {p.repeats for p in planned} >= ({1, 2, 4} if name == "mixtral_8x7b" else {1})
+    planned = [
+        p for p in planner.plans(config, gpus, H800, batch, micro_batch=1) if p.parallel.stages > 1
+    ]
+    assert {p.parallel.repeats for p in planned} >= ({1, 2, 4} if name == "mixtral_8x7b" else {1})
     for plan in planned:
-        sized = cost_model.sized_config(config, plan, batch)
-        assert plan.devices == gpus and sized.train.grad_accum == 1
-        assert (sized.parallel.stages, sized.parallel.repeats) == (plan.pp, plan.repeats)
-        assert not registry.pipeline_problems(sized), plan
-        assert not registry.problems(sized, gpus, "gpu"), plan
+        run = plan.config(config, batch)
+        assert plan.devices == gpus and run.train.grad_accum == 1
+        assert run.parallel == plan.parallel and run.micro_batches == batch // plan.parallel.data
+        assert not registry.pipeline_problems(run), plan
+        assert not registry.problems(run, gpus, "gpu"), plan
 
 
 def test_choose_plan_pipelines_only_without_grad_accum():
@@ -130,12 +133,12 @@ def test_choose_plan_pipelines_only_without_grad_accum():
         train=dataclasses.replace(mixtral.train, batch_size=16),
     )
     chosen = planner.choose_plan(config, 16, "h800")
-    assert chosen["stages"] > 1 and chosen["microbatches"] % chosen["stages"] == 0
-    resolved = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, **chosen))
+    assert chosen.stages > 1 and chosen.microbatches % chosen.stages == 0
+    resolved = dataclasses.replace(config, parallel=chosen)
     assert check_plan(resolved, 16).parallel == resolved.parallel
     accumulated = dataclasses.replace(config, train=dataclasses.replace(config.train, grad_accum=2))
     flat = planner.choose_plan(accumulated, 16, "h800")
-    assert (flat["stages"], flat["microbatches"], flat["repeats"]) == (1, 1, 1)
+    assert (flat.stages, flat.microbatches, flat.repeats) == (1, 1, 1)
 
 
 def test_megascale_352b_on_1440_gpus_is_a_pipeline_the_trainer_runs():
@@ -145,10 +148,11 @@ def test_megascale_352b_on_1440_gpus_is_a_pipeline_the_trainer_runs():
     best = planner.rank(config, 1440, H800, 720, limit=1).best
     plan, cost = best.plan, best.cost
     assert plan.pipelined and planner.fits(best.memory, H800)
-    assert not registry.problems(cost_model.sized_config(config, plan, 720), 1440, "gpu")
-    ticks = cost.micro_batches * plan.repeats + plan.pp - 1
-    assert cost.bubble == pytest.approx((plan.pp - 1) / ticks)
-    assert cost.breakdown["bubble"] == pytest.approx((plan.pp - 1) * cost.micro_batch_s)
+    assert not registry.problems(plan.config(config, 720), 1440, "gpu")
+    stages = plan.parallel.stages
+    ticks = cost.micro_batches * plan.parallel.repeats + stages - 1
+    assert cost.bubble == pytest.approx((stages - 1) / ticks)
+    assert cost.breakdown["bubble"] == pytest.approx((stages - 1) * cost.micro_batch_s)
 
 
 def test_ring_all_gather_is_alpha_beta():
@@ -166,8 +170,9 @@ def test_overlap_hides_what_compute_covers():
 
 
 def _exchange(kind: str, attention: str, chunks: int, eff: op_costs.Efficiency):
-    plan = Plan(attention, "ep_a2a", 8, 8, 1, micro_batch=4, overlap_chunks=chunks)
-    cost = cost_model.step_cost(load("mixtral_8x7b"), plan, H800, 64, eff)
+    config = load("mixtral_8x7b")
+    plan = make_plan(config, 64, attention, "ep_a2a", 8, 8, 1, micro_batch=4, overlap_chunks=chunks)
+    cost = cost_model.step_cost(config, plan, H800, 64, eff)
     shown = cost.breakdown[kind]
     return shown, shown + cost.hidden.get(kind, 0.0)
 
@@ -207,16 +212,18 @@ def test_the_trainer_is_never_planned_an_overlap_it_cannot_run():
         load("default"), train=dataclasses.replace(load("default").train, seq_len=6)
     )
     settings = planner.choose_plan(config, 1)
-    assert settings["overlap_chunks"] in (1, 2)
-    assert not settings["collective_matmul"]  # one device: no ring
+    assert settings.overlap_chunks in (1, 2)
+    assert not settings.collective_matmul  # one device: no ring
     # no mode the trainer lacks
     assert set(cost_model.OVERLAPS) == {"none", "chunked", "collective_matmul", "both"}
 
 
 def _ring_exchange(kind, attention, experts, ring, eff, chunks=1):
-    plan = Plan(attention, experts, 8, 8, 1, micro_batch=4, overlap_chunks=chunks)
-    plan = dataclasses.replace(plan, collective_matmul=ring)
-    cost = cost_model.step_cost(load("mixtral_8x7b"), plan, H800, 64, eff)
+    config = load("mixtral_8x7b")
+    plan = make_plan(
+        config, 64, attention, experts, 8, 8, 1, 4, overlap_chunks=chunks, collective_matmul=ring
+    )
+    cost = cost_model.step_cost(config, plan, H800, 64, eff)
     return cost.breakdown[kind], cost.breakdown[kind] + cost.hidden.get(kind, 0.0)
 
 
@@ -272,13 +279,16 @@ def test_fp8_tokens_halve_what_they_move_and_pay_their_casts():
     fp8 = dataclasses.replace(
         config, parallel=dataclasses.replace(config.parallel, token_dtype="fp8")
     )
-    plan = Plan("sp", "ep_a2a", 8, 8, 1, micro_batch=4)
+    plans = [make_plan(c, 64, "sp", "ep_a2a", 8, 8, 1, micro_batch=4) for c in (config, fp8)]
     native, compressed = (
-        comm_volume.activation_bytes(cost_model.sized_config(c, plan, 64)) for c in (config, fp8)
+        comm_volume.activation_bytes(p.config(c, 64))
+        for c, p in zip((config, fp8), plans, strict=True)
     )
     assert compressed.attention / native.attention == pytest.approx((1 + 4 / 128) / 2)
     assert compressed.experts / native.experts == pytest.approx((3 + 4 / 128) / 4, rel=0.01)
-    costs = [cost_model.step_cost(c, plan, H800, 64) for c in (config, fp8)]
+    costs = [
+        cost_model.step_cost(c, p, H800, 64) for c, p in zip((config, fp8), plans, strict=True)
+    ]
     assert "fp8_casts" not in costs[0].breakdown and costs[1].breakdown["fp8_casts"] > 0
 
 
@@ -289,17 +299,20 @@ def test_plans_ring_only_what_the_trainer_can_ring():
     capacity = dataclasses.replace(config, moe=dataclasses.replace(config.moe, capacity_factor=1.0))
     for cfg in (config, capacity):
         ringed = [
-            p for p in planner.plans(cfg, 64, H800, 64, pp=1, micro_batch=1) if p.collective_matmul
+            p
+            for p in planner.plans(cfg, 64, H800, 64, pp=1, micro_batch=1)
+            if p.parallel.collective_matmul
         ]
         assert ringed
-        for p in ringed:
+        for plan in ringed:
+            p = plan.parallel
             assert p.intra > 1
             has_ring = registry.ATTENTION[p.attention].ring
             expert_ring = registry.EXPERTS[p.experts].ring_dispatcher is not None
             assert has_ring or expert_ring, p
             if cfg is capacity:
                 assert not expert_ring, p
-            assert p.overlap == cost_model.overlap_name(p.overlap_chunks, True)
+            assert plan.overlap == cost_model.overlap_name(p.overlap_chunks, True)
 
 
 def test_compute_comm_ratio():
@@ -322,7 +335,11 @@ def test_plans_that_do_not_fit_are_dropped():
 def test_table3_megascale_within_25_percent():
     for row in table3():
         plan = row.megascale.plan
-        assert (plan.attention, plan.experts, plan.intra) == ("sp", "ep_a2a", 8)
+        assert (plan.parallel.attention, plan.parallel.experts, plan.parallel.intra) == (
+            "sp",
+            "ep_a2a",
+            8,
+        )
         assert (plan.remat, plan.grad_dtype) == ("selective", "bfloat16")
         assert abs(row.errors["megascale"]) <= 0.25, (row.paper.gpus, row.errors)
 
@@ -355,7 +372,7 @@ def test_tile_factor_slows_short_reductions_only():
 
 def test_selective_remat_and_bf16_gradients_cost_less():
     config = load("megascale_352b")
-    base = Plan("sp", "ep_a2a", 8, 12, 15)
+    base = make_plan(config, 720, "sp", "ep_a2a", 8, 12, 15)
     full = cost_model.step_cost(config, base, H800, 720)
     selective = cost_model.step_cost(
         config, dataclasses.replace(base, remat="selective"), H800, 720
@@ -384,9 +401,10 @@ def test_mixtral_on_one_node_chooses_expert_parallelism():
     config = dataclasses.replace(mixtral, model=dataclasses.replace(mixtral.model, num_layers=8))
     ranking = planner.rank(config, 8, H800, 32, limit=20)
     best = ranking.best
-    assert best.plan.experts in ("ep_a2a_ragged", "ep_ag") and best.plan.attention in ("sp", "dp")
-    sp_ep = next(c for c in ranking.candidates if c.plan.attention == "sp")
-    assert sp_ep.plan.experts.startswith("ep_")
+    p = best.plan.parallel
+    assert p.experts in ("ep_a2a_ragged", "ep_ag") and p.attention in ("sp", "dp")
+    sp_ep = next(c for c in ranking.candidates if c.plan.parallel.attention == "sp")
+    assert sp_ep.plan.parallel.experts.startswith("ep_")
     # dp wins only by sp's attention exchange (its all-to-alls are not overlapped)
     shown = sp_ep.cost.breakdown["attention_exchange"]
     assert best.cost.step_s < sp_ep.cost.step_s <= best.cost.step_s + 1.1 * shown
@@ -404,13 +422,15 @@ def test_mixtral_on_one_node_chooses_expert_parallelism():
 
 
 def test_choose_plan_returns_trainer_settings():
-    choice = planner.choose_plan(load("mixtral_tiny"), 8, "h800")
-    settings = {"attention", "experts", "intra", "data", "zero", "etp", "expert_fsdp"}
-    pipeline = {"stages", "microbatches", "repeats"}
-    assert set(choice) == settings | {"overlap_chunks", "collective_matmul"} | pipeline
-    assert choice["intra"] * choice["data"] * choice["stages"] == 8
-    parallel = dataclasses.replace(load("mixtral_tiny").parallel, **choice)
-    config_lib.validate(dataclasses.replace(load("mixtral_tiny"), parallel=parallel))
+    """The planner's choice is a `ParallelConfig` the trainer runs as it is: the config's
+    own settings kept, the searched ones filled in, the devices used."""
+    config = load("mixtral_tiny")
+    choice = planner.choose_plan(config, 8, "h800")
+    assert isinstance(choice, ParallelConfig) and choice.layout == "manual"
+    assert choice.intra * choice.data * choice.stages == 8
+    kept = ("token_dtype", "grad_exchange", "vocab_parallel", "a2a_buffer_factor")
+    assert all(getattr(choice, k) == getattr(config.parallel, k) for k in kept)
+    config_lib.validate(dataclasses.replace(config, parallel=choice))
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

@@ -107,7 +107,11 @@ def test_a_new_spec_is_all_a_layout_needs(copied_layout):
         original
     )
     ranked = planner.rank(BASE, 8, "h800", experts=("my_a2a", "ep_a2a"), intra=(4,), pp=1)
-    steps = {c.plan.experts: c.cost.step_s for c in ranked.candidates if c.plan.attention == "sp"}
+    steps = {
+        c.plan.parallel.experts: c.cost.step_s
+        for c in ranked.candidates
+        if c.plan.parallel.attention == "sp"
+    }
     assert steps["my_a2a"] == steps["ep_a2a"]
     layouts = [mesh_lib.make_layout(c, mesh_lib.make_mesh(c)) for c in (original, copy)]
     x = jax.random.normal(jax.random.key(0), (8, 16, 32))

@@ -26,6 +26,7 @@ from moe_jax import cli
 from moe_jax import config as config_lib
 from moe_jax.parallel import registry
 from moe_jax.plan import cost_model, planner
+from moe_jax.plan.describe import plan_line
 from moe_jax.plan.hardware import GPUS, get
 
 
@@ -62,14 +63,15 @@ def table(ranking: planner.Ranking, top: int) -> list[str]:
 
 
 def _row(tag: str, c: planner.Candidate) -> str:
-    p, cost = c.plan, c.cost
+    p, cost = c.plan.parallel, c.cost
     comm = sum(cost.breakdown.get(k, 0.0) for k in planner.EXCHANGES)
-    label = p.label + (f"/{p.etp}" if registry.EXPERTS[p.experts].uses_etp else "")
+    label = c.plan.label + (f"/{p.etp}" if registry.EXPERTS[p.experts].uses_etp else "")
     label += "+fsdp" if p.expert_fsdp else ""
     label += f"+c{p.overlap_chunks}" if p.overlap_chunks > 1 else ""
     label += "+cm" if p.collective_matmul else ""
     return (
-        f"{tag:>3} {label:<26}{p.intra:>3}{p.pp:>4}{p.repeats:>3}{p.data:>6}{p.micro_batch:>4}"
+        f"{tag:>3} {label:<26}{p.intra:>3}{p.stages:>4}{p.repeats:>3}{p.data:>6}"
+        f"{cost.micro_batch:>4}"
         f"{cost.step_s * 1e3:>11.3f}{cost.tokens_per_sec:>13,.0f}{cost.mfu:>7.1%}"
         f"{cost.bubble:>8.1%}{comm * 1e3:>10.3f}{c.memory.total / 1e9:>8.1f}"
     )
@@ -97,7 +99,9 @@ def main(argv: list[str]) -> None:
         best = ranking.best
         baseline = None
         if f.compare == "megatron":
-            baseline = planner.megatron_baseline(config, f.gpus, gpu, batch, best.plan.pp).best
+            baseline = planner.megatron_baseline(
+                config, f.gpus, gpu, batch, best.plan.parallel.stages
+            ).best
     except ValueError as error:
         raise SystemExit(f"error: {error}") from None
     seq = config.train.seq_len
@@ -109,10 +113,11 @@ def main(argv: list[str]) -> None:
     )
     print("\n".join(table(ranking, f.top)))
     print("\n".join(planner.explain(best, gpu, planner.runner_up(ranking))))
+    print(f"  as the trainer's settings: {plan_line(best.plan.parallel)}")
     speedup = None
     if baseline is not None:
         speedup = best.cost.tokens_per_sec / baseline.cost.tokens_per_sec
-        print(f"baseline megatron (tp+etp, n={baseline.plan.intra}, no overlap, 1F1B):")
+        print(f"baseline megatron (tp+etp, n={baseline.plan.parallel.intra}, no overlap, 1F1B):")
         print(_row("M", baseline))
         print(f"speed-up of the best plan over megatron: {speedup:.2f}x")
     if f.json:

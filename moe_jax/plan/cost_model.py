@@ -64,7 +64,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from moe_jax.config import Config
+from moe_jax.config import Config, ParallelConfig
 from moe_jax.flops import flops_per_token
 from moe_jax.parallel import registry
 from moe_jax.parallel.layout import DATA, INTRA
@@ -123,38 +123,105 @@ EXPERT_LAYOUTS = tuple(registry.EXPERTS)
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """One candidate layout: the two block layouts, the mesh and the batch split."""
+    """One candidate: the settings the trainer runs (`parallel`, the config's own
+    vocabulary, and `grad_accum`, its train.grad_accum) and what only the search and the
+    paper's systems need. Micro-batches per step: a pipeline's parallel.microbatches,
+    else grad_accum (as `Config.micro_batches` reads them)."""
 
-    attention: str
-    experts: str
-    intra: int  # n: devices of one intra-node group
-    data: int  # data-parallel groups (per pipeline stage)
-    pp: int = 1  # pipeline stages
-    micro_batch: int = 1  # sequences per micro-batch of one data group
-    zero: int = 0  # 1: optimizer state split over data
-    etp: int = 2  # experts=ep_etp: devices splitting each expert's width
-    overlap: str = "none"  # `overlap_name` of the two settings below, or `PAPER_OVERLAP`
-    overlap_chunks: int = 1  # parallel.overlap_chunks (1: no chunks)
-    collective_matmul: bool = False  # parallel.collective_matmul
+    parallel: ParallelConfig
+    grad_accum: int = 1  # train.grad_accum: micro-batches of a step without a pipeline
+    overlap: str = "none"  # `overlap_name` of the parallel settings, or `PAPER_OVERLAP`
     grad_sync: str = "hierarchical"  # or "per_micro_batch" (the trainer as compiled today)
     remat: str = ""  # "full", "selective" or "none"; "" = the config's model.remat
     grad_dtype: str = "float32"  # of the data-parallel gradient exchange ("bfloat16": halved)
-    expert_fsdp: bool = False  # expert weights also split over data, gathered per layer
-    repeats: int = 1  # parallel.repeats: groups of the MoE stack each stage holds (circular)
     schedule: str = "gpipe"  # of a pipeline: the trainer's, or `PAPER_SCHEDULE`
 
     @property
     def devices(self) -> int:
-        return self.intra * self.data * self.pp
+        p = self.parallel
+        return p.intra * p.data * p.stages
 
     @property
     def label(self) -> str:
-        return f"{self.attention}+{self.experts}"
+        return f"{self.parallel.attention}+{self.parallel.experts}"
 
     @property
     def pipelined(self) -> bool:
         """Whether the plan runs the trainer's pipeline (`moe_jax.parallel.pipeline`)."""
-        return self.pp > 1 and self.schedule == "gpipe"
+        return self.parallel.stages > 1 and self.schedule == "gpipe"
+
+    @property
+    def micro_batches(self) -> int:
+        return self.parallel.microbatches if self.parallel.stages > 1 else self.grad_accum
+
+    def unpipelined(self) -> Plan:
+        """The same plan without a pipeline: its micro-batches as accumulation."""
+        parallel = dataclasses.replace(self.parallel, stages=1, microbatches=1, repeats=1)
+        return dataclasses.replace(self, parallel=parallel, grad_accum=self.micro_batches)
+
+    def config(self, config: Config, global_batch: int) -> Config:
+        """`config` as the trainer would run this plan at `global_batch` sequences a step.
+        The paper's 1F1B is no schedule of the trainer's: its config is the plan's
+        `unpipelined` one (what the layout specs and the memory model read)."""
+        if self.parallel.stages > 1 and not self.pipelined:
+            return self.unpipelined().config(config, global_batch)
+        train = dataclasses.replace(
+            config.train, batch_size=global_batch, grad_accum=self.grad_accum
+        )
+        model = dataclasses.replace(config.model, remat=self.remat or config.model.remat)
+        return dataclasses.replace(config, model=model, parallel=self.parallel, train=train)
+
+
+# The searched `ParallelConfig` fields a plan sets unless given (the rest: the config's).
+SEARCHED_DEFAULTS = dict(
+    zero=0, etp=2, expert_fsdp=False, overlap_chunks=1, collective_matmul=False, repeats=1
+)
+
+
+def make_plan(
+    config: Config,
+    global_batch: int,
+    attention: str,
+    experts: str,
+    intra: int,
+    data: int,
+    stages: int = 1,
+    micro_batch: int = 1,
+    search: str = "",
+    schedule: str = "gpipe",
+    grad_sync: str = "hierarchical",
+    remat: str = "",
+    grad_dtype: str = "float32",
+    **parallel,
+) -> Plan:
+    """The plan of `config.parallel` with these block layouts, mesh and `micro_batch`
+    sequences per micro-batch of a data group (the planner's search variable): a
+    pipeline's micro-batches as parallel.microbatches, anything else's as grad_accum;
+    `parallel` sets any other `ParallelConfig` field (zero, etp, expert_fsdp,
+    overlap_chunks, collective_matmul, repeats). `search` names the overlap search
+    (`overlap_name`)."""
+    count = global_batch // (data * micro_batch)
+    piped = stages > 1
+    settings = dataclasses.replace(
+        config.parallel,
+        layout="manual",
+        attention=attention,
+        experts=experts,
+        intra=intra,
+        data=data,
+        stages=stages,
+        microbatches=count if piped else 1,
+        **{**SEARCHED_DEFAULTS, **parallel},
+    )
+    return Plan(
+        settings,
+        grad_accum=1 if piped else count,
+        overlap=overlap_name(settings.overlap_chunks, settings.collective_matmul, search),
+        grad_sync=grad_sync,
+        remat=remat,
+        grad_dtype=grad_dtype,
+        schedule=schedule,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,13 +233,16 @@ class StepCost:
     tokens_per_sec: float
     mfu: float
     micro_batches: int
+    micro_batch: int  # sequences of one data group's micro-batch
     micro_batch_s: float  # slowest stage, forward + backward (+ recompute); gpipe: a tick
     breakdown: dict[str, float]  # seconds per step on the critical path; sums to step_s
     hidden: dict[str, float]  # communication seconds per step hidden behind compute
 
     @property
     def bubble(self) -> float:
-        return bubble_fraction(self.plan.pp, self.micro_batches, self.plan.repeats)
+        return bubble_fraction(
+            self.plan.parallel.stages, self.micro_batches, self.plan.parallel.repeats
+        )
 
 
 class CostModel(BlockCosts, Schedules, GradSync):
@@ -183,15 +253,16 @@ class CostModel(BlockCosts, Schedules, GradSync):
     ) -> None:
         self.config, self.plan, self.gpu, self.eff = config, plan, gpu, eff
         self.global_batch = global_batch
-        self.micro_batches = global_batch // (plan.data * plan.micro_batch)
-        self.sized = sized_config(config, plan, global_batch)
+        self.micro_batches = plan.micro_batches
+        self.micro_batch = global_batch // (plan.parallel.data * plan.micro_batches)  # sequences
+        self.sized = plan.config(config, global_batch)
         m = config.model
         self.B = comm_volume.DTYPE_BYTES[m.dtype]
-        self.T = plan.micro_batch * config.train.seq_len  # tokens of a group per micro-batch
-        self.t = self.T / plan.intra  # tokens per device
+        self.T = self.micro_batch * config.train.seq_len  # tokens of a group per micro-batch
+        self.t = self.T / plan.parallel.intra  # tokens per device
         self.intra = Link(gpu.nvlink_one_way * eff.nvlink, eff.nvlink_latency_s)
         self.network = Link(gpu.network_bandwidth * eff.network, eff.network_latency_s)
-        stage_devices = plan.intra * plan.data
+        stage_devices = plan.parallel.intra * plan.parallel.data
         self.data_link = self.network if stage_devices > gpu.gpus_per_node else self.intra
         self.stage_link = self.network if plan.devices > gpu.gpus_per_node else self.intra
         # `comm_volume` reads a micro-batch as batch / (data x grad_accum)
@@ -202,7 +273,9 @@ class CostModel(BlockCosts, Schedules, GradSync):
         self.expert_spec = registry.expert_spec(self.sized)
         # Devices attention and dense-MLP weights are stored split over (tp: intra, fsdp:
         # data); `_intra_split` is how many ways their GEMMs are split (tp only).
-        self.split = {INTRA: plan.intra, DATA: plan.data}.get(self.attention_spec.weights_over, 1)
+        self.split = {INTRA: plan.parallel.intra, DATA: plan.parallel.data}.get(
+            self.attention_spec.weights_over, 1
+        )
 
     # --- operators (forward, one micro-batch, one device) -----------------------------
 
@@ -221,7 +294,7 @@ class CostModel(BlockCosts, Schedules, GradSync):
     @property
     def _intra_split(self) -> int:
         """How many ways attention and dense GEMMs are split (tp: over the intra group)."""
-        return self.plan.intra if self.attention_spec.weights_over == INTRA else 1
+        return self.plan.parallel.intra if self.attention_spec.weights_over == INTRA else 1
 
     # --- blocks, layers, stages ------------------------------------------------------
 
@@ -254,12 +327,18 @@ class CostModel(BlockCosts, Schedules, GradSync):
     def chunks(self, chunked: bool) -> int:
         """The trainer's chunks of a block that runs chunked (`parallel.overlap_chunks`),
         else 1; each chunk issues the block's collectives once."""
-        return self.plan.overlap_chunks if chunked and self.plan.overlap != PAPER_OVERLAP else 1
+        return (
+            self.plan.parallel.overlap_chunks
+            if chunked and self.plan.overlap != PAPER_OVERLAP
+            else 1
+        )
 
     def ring(self, has_ring: bool) -> int:
         """Steps of each direction of a block's exchange under `parallel.collective_matmul`
         (n-1 point-to-point steps), or 0 where the block has no ring form or it is off."""
-        return self.plan.intra - 1 if has_ring and self.plan.collective_matmul else 0
+        return (
+            self.plan.parallel.intra - 1 if has_ring and self.plan.parallel.collective_matmul else 0
+        )
 
     @property
     def remat(self) -> str:
@@ -303,9 +382,13 @@ class CostModel(BlockCosts, Schedules, GradSync):
     def head_exchanges(self) -> list[Exchange]:
         """parallel.vocab_parallel: the loss gathers the group's hidden states (bf16) and
         the embedding reduce-scatters its float32 rows, each once per pass."""
-        if not self.config.parallel.vocab_parallel:
+        if not self.plan.parallel.vocab_parallel:
             return []
-        p, h, f = self.plan, self.config.model.embed_dim, (self.plan.intra - 1) / self.plan.intra
+        p, h, f = (
+            self.plan.parallel,
+            self.config.model.embed_dim,
+            (self.plan.parallel.intra - 1) / self.plan.parallel.intra,
+        )
         sent = self.T * h * (self.B + 4) * f
         return [Exchange("attention_exchange", sent, p.intra, 2, self.intra)]
 
@@ -325,14 +408,14 @@ class CostModel(BlockCosts, Schedules, GradSync):
         if not moe:
             return attention + 3 * h * m.mlp_dim / split
         shared = 3 * h * e.shared_mlp_dim * e.num_shared_experts / split
-        experts = 3 * h * e.expert_mlp_dim * e.num_experts / p.intra
-        experts /= p.data if p.expert_fsdp else 1
+        experts = 3 * h * e.expert_mlp_dim * e.num_experts / p.parallel.intra
+        experts /= p.parallel.data if p.parallel.expert_fsdp else 1
         return attention + experts + h * e.num_experts + shared
 
     def table_params(self) -> float:
         """Parameters of the embedding table (or the head) on one device."""
         m = self.config.model
-        vocab_split = self.plan.intra if self.config.parallel.vocab_parallel else 1
+        vocab_split = self.plan.parallel.intra if self.plan.parallel.vocab_parallel else 1
         return m.vocab_size * m.embed_dim / max(self._intra_split, vocab_split)
 
     def accumulation_s(self, params: float, passes: int | None = None) -> float:
@@ -357,6 +440,7 @@ class CostModel(BlockCosts, Schedules, GradSync):
             tokens_per_sec=tokens / step_s,
             mfu=model_flops / (step_s * p.devices * self.gpu.peak_flops),
             micro_batches=self.micro_batches,
+            micro_batch=self.micro_batch,
             micro_batch_s=t_mb,
             breakdown=breakdown,
             hidden=hidden,
@@ -367,34 +451,6 @@ def _with_accumulation(config: Config, micro_batches: int) -> Config:
     return dataclasses.replace(
         config, train=dataclasses.replace(config.train, grad_accum=micro_batches)
     )
-
-
-def sized_config(config: Config, plan: Plan, global_batch: int) -> Config:
-    """`config` with the plan's layout and a batch split into its micro-batches, the form
-    `comm_volume`, the memory model and the layout specs read: the trainer's pipeline
-    takes them as parallel.microbatches (train.grad_accum = 1, as it requires), anything
-    else as train.grad_accum."""
-    micro_batches = global_batch // (plan.data * plan.micro_batch)
-    stages = (plan.pp, micro_batches, plan.repeats) if plan.pipelined else (1, 1, 1)
-    parallel = dataclasses.replace(
-        config.parallel,
-        attention=plan.attention,
-        experts=plan.experts,
-        intra=plan.intra,
-        data=plan.data,
-        zero=plan.zero,
-        etp=plan.etp,
-        expert_fsdp=plan.expert_fsdp,
-        overlap_chunks=plan.overlap_chunks,
-        collective_matmul=plan.collective_matmul,
-        stages=stages[0],
-        microbatches=stages[1],
-        repeats=stages[2],
-    )
-    accumulation = 1 if plan.pipelined else micro_batches
-    train = dataclasses.replace(config.train, batch_size=global_batch, grad_accum=accumulation)
-    model = dataclasses.replace(config.model, remat=plan.remat or config.model.remat)
-    return dataclasses.replace(config, model=model, parallel=parallel, train=train)
 
 
 def step_cost(

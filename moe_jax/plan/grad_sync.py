@@ -31,23 +31,26 @@ class GradSync:
         there, and the summed gradients' exchange runs once, after the backward, exposed."""
         from moe_jax.plan import param_traffic
 
-        p = self.plan
+        plan, p = self.plan, self.plan.parallel
         layers = max(stage_layers, 1)
         window = backward_s * (1 - 1 / layers)
-        if p.grad_sync == "per_micro_batch":
+        if plan.grad_sync == "per_micro_batch":
             link = self.data_link if p.data > 1 else self.intra
-            sent = param_traffic.gradient_bytes_per_step(self.sized) / p.pp / self.micro_batches
+            sent = param_traffic.gradient_bytes_per_step(self.sized) / p.stages / self.micro_batches
             after = 0.0  # parallel.grad_exchange='bf16_a2a': once, after the last backward
             if self.sized.parallel.grad_exchange == "bf16_a2a":
                 per_micro_batch, per_step = param_traffic.bf16_a2a_traffic(self.sized)
-                sent, after = per_micro_batch / p.pp, per_step / p.pp / link.bandwidth
+                sent, after = (
+                    per_micro_batch / p.stages,
+                    per_step / p.stages / link.bandwidth,
+                )
             once = sent / link.bandwidth
             shown = max(once - window, once / layers) if sent else 0.0
             return shown * self.micro_batches + after, (once - shown) * self.micro_batches
         volume = param_traffic.hierarchical_sync_bytes(self.sized)
-        scale = comm_volume.DTYPE_BYTES[p.grad_dtype] / PARAM_BYTES  # bf16 exchange: half
-        intra = volume["intra"] * scale / p.pp / self.intra.bandwidth
-        inter = volume["inter"] * scale / p.pp / self.data_link.bandwidth
+        scale = comm_volume.DTYPE_BYTES[plan.grad_dtype] / PARAM_BYTES  # bf16 exchange: half
+        intra = volume["intra"] * scale / p.stages / self.intra.bandwidth
+        inter = volume["inter"] * scale / p.stages / self.data_link.bandwidth
         steps = (p.intra - 1) * 2 * self.intra.latency + (p.data - 1) * 2 * self.data_link.latency
         total = intra + inter + steps * (volume["intra"] + volume["inter"] > 0)
         shown = max(total - window, total / layers)
@@ -57,7 +60,7 @@ class GradSync:
         """AdamW update: memory-bound over one device's parameters (default the largest
         1F1B stage's; the moments split over data by ZeRO-1)."""
         params = max(self.stage_params()) if params is None else params
-        shards = self.plan.data if self.plan.zero else 1
+        shards = self.plan.parallel.data if self.plan.parallel.zero else 1
         bandwidth = self.gpu.hbm_bandwidth * self.eff.memory
         return params / shards * ADAM_BYTES_PER_PARAM / bandwidth
 
@@ -80,14 +83,16 @@ class GradSync:
         back: 3/4 of the paper's float32 bytes), with ZeRO-1's gather of the updated
         parameters. FSDP's gradients are reduce-scattered over 'data' in every
         micro-batch's backward (the transpose of its weight gathers)."""
-        p, splits = self.plan, shard.splits
+        plan, p, splits = self.plan, self.plan.parallel, shard.splits
         form = (
-            "hierarchical" if p.grad_sync == "hierarchical" else self.sized.parallel.grad_exchange
+            "hierarchical"
+            if plan.grad_sync == "hierarchical"
+            else self.sized.parallel.grad_exchange
         )
-        dtype = comm_volume.DTYPE_BYTES[p.grad_dtype] / PARAM_BYTES
-        size = shard.bytes / (p.pp if shard.piped and STAGE not in splits else 1)
+        dtype = comm_volume.DTYPE_BYTES[plan.grad_dtype] / PARAM_BYTES
+        size = shard.bytes / (p.stages if shard.piped and STAGE not in splits else 1)
         inner = math.prod(sizes[a] for a in INTRA if a not in splits)
-        outer = (1 if DATA in splits else p.data) * (1 if shard.piped else p.pp)
+        outer = (1 if DATA in splits else p.data) * (1 if shard.piped else p.stages)
         far = self.data_link if shard.piped else self.stage_link
         out = []
         if DATA in splits:

@@ -209,7 +209,7 @@ class BlockCosts:
         fused into the grouped GEMM (its intra-operator fusion), so they cost no pass of
         their own."""
         m, e, p, B = self.config.model, self.config.moe, self.plan, self.B
-        T, t, n, h, f, k = self.T, self.t, p.intra, m.embed_dim, e.expert_mlp_dim, e.top_k
+        T, t, n, h, f, k = self.T, self.t, p.parallel.intra, m.embed_dim, e.expert_mlp_dim, e.top_k
         routed = T if self.expert_spec.gathers_tokens else t  # the group's, after a gather
         rows = T * k / n  # expert rows x full width per device, every layout (balanced)
         ep, tp = registry.expert_split(self.sized)
@@ -251,15 +251,15 @@ class BlockCosts:
         e, p = self.config.moe, self.plan
         if self.expert_spec.gathers_tokens:
             return self.T
-        local = e.num_experts // p.intra
-        factor = self.config.parallel.a2a_buffer_factor
-        return p.intra * self.expert_spec.receive_slots(self.t, e, local, factor)
+        local = e.num_experts // p.parallel.intra
+        factor = self.plan.parallel.a2a_buffer_factor
+        return p.parallel.intra * self.expert_spec.receive_slots(self.t, e, local, factor)
 
     def _fp8_casts(self, elements: float) -> list[Op]:
         """`parallel.token_dtype='fp8'`: quantising what a block sends (read B bytes an
         element, write 1) and dequantising what it receives (read 1, write B), at HBM
         speed; `elements` received per device (sent: the same or fewer)."""
-        if self.config.parallel.token_dtype != "fp8" or not elements:
+        if self.plan.parallel.token_dtype != "fp8" or not elements:
             return []
         return [Op("fp8_casts", "memory", 0.0, 2 * elements * (self.B + 1))]
 
@@ -276,7 +276,7 @@ class BlockCosts:
     # --- exchanges -------------------------------------------------------------------
 
     def attention_exchanges(self) -> list[Exchange]:
-        p, m, spec = self.plan, self.config.model, self.attention_spec
+        p, m, spec = self.plan.parallel, self.config.model, self.attention_spec
         out = []
         if spec.exchanges:
             chunks = self.chunks(spec.chunks_batch)
@@ -300,7 +300,7 @@ class BlockCosts:
         return out
 
     def mlp_exchanges(self) -> list[Exchange]:
-        p, m, spec = self.plan, self.config.model, self.attention_spec
+        p, m, spec = self.plan.parallel, self.config.model, self.attention_spec
         out = []
         if self.mlp_activation:  # tp: all-gather in, reduce-scatter out, as attention
             ring = self.ring(spec.ring)
@@ -312,7 +312,7 @@ class BlockCosts:
         return out
 
     def moe_exchanges(self) -> list[Exchange]:
-        p, m, e = self.plan, self.config.model, self.config.moe
+        p, m, e = self.plan.parallel, self.config.model, self.config.moe
         chunks = self.chunks(True)  # every expert layout runs chunked
         ring = self.ring(self.expert_spec.ring_dispatcher is not None)
         exchange = self.activation.experts
@@ -324,5 +324,5 @@ class BlockCosts:
         return out
 
     def _weight_gather(self, params: int) -> Exchange:
-        d = self.plan.data
+        d = self.plan.parallel.data
         return Exchange("weight_gather", params * PARAM_BYTES * (d - 1) / d, d, 1, self.data_link)

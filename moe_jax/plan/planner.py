@@ -12,7 +12,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Iterator
 
-from moe_jax.config import Config
+from moe_jax.config import Config, ParallelConfig
 from moe_jax.parallel import registry
 from moe_jax.parallel.layout import DATA
 from moe_jax.plan import cost_model
@@ -88,20 +88,20 @@ def problem(
     the pipeline's among them, plus the cluster's: a node's size, the pipeline's depth),
     or None. A pipelined plan must also run as one of its micro-batches would without a
     pipeline: each tick runs one through the same blocks."""
-    m = config.model
-    n, d = plan.intra, plan.data
+    m, p = config.model, plan.parallel
+    n, d = p.intra, p.data
     if n > gpu.gpus_per_node:
         return f"intra group of {n} spans nodes"
-    if plan.pp > m.num_layers:
-        return f"{plan.pp} stages for {m.num_layers} layers"
-    if plan.repeats > 1 and not plan.pipelined:
-        return f"{plan.repeats} repeats without the trainer's pipeline"
-    if global_batch % (d * plan.micro_batch):
-        return f"batch {global_batch} does not split into {d} x {plan.micro_batch}"
-    sized = cost_model.sized_config(config, plan, global_batch)
-    found = registry.problems(sized, sized.parallel.stages * n * d, platform)
-    if not found and plan.pipelined:
-        flat = cost_model.sized_config(config, dataclasses.replace(plan, pp=1), global_batch)
+    if p.stages > m.num_layers:
+        return f"{p.stages} stages for {m.num_layers} layers"
+    if p.repeats > 1 and not plan.pipelined:
+        return f"{p.repeats} repeats without the trainer's pipeline"
+    if global_batch % (d * plan.micro_batches):
+        return f"batch {global_batch} does not split into {d} x {plan.micro_batches} micro-batches"
+    run = plan.config(config, global_batch)
+    found = registry.problems(run, run.parallel.stages * n * d, platform)
+    if not found and plan.pipelined:  # one micro-batch of a tick, run without the pipeline
+        flat = plan.unpipelined().config(config, global_batch)
         found = registry.problems(flat, n * d, platform)
     return found[0] if found else None
 
@@ -181,24 +181,26 @@ def plans(
                 for o in overlaps
                 for r in _repeats(config, p, schedule)
             ):
-                plan = Plan(
+                plan = cost_model.make_plan(
+                    config,
+                    global_batch,
                     att,
                     exp,
                     n,
                     data,
-                    pp=p,
+                    stages=p,
                     micro_batch=b,
-                    zero=int(data > 1),
-                    etp=etp,
-                    overlap=cost_model.overlap_name(c, ring, overlap),
-                    overlap_chunks=c,
-                    collective_matmul=ring,
+                    search=overlap,
+                    schedule=schedule,
                     grad_sync=grad_sync,
                     remat=remat,
                     grad_dtype=grad_dtype,
+                    zero=int(data > 1),
+                    etp=etp,
+                    overlap_chunks=c,
+                    collective_matmul=ring,
                     expert_fsdp=split,
                     repeats=r,
-                    schedule=schedule,
                 )
                 if problem(config, plan, global_batch, gpu) is None:
                     yield plan
@@ -250,24 +252,26 @@ def rank(
         cost_model.step_cost(config, plan, gpu, batch, eff)
         for plan in plans(config, gpus, gpu, batch, pp, overlap, **restrict)
     ]
-    costs.sort(key=lambda c: (round(c.step_s, 9), c.plan.label, c.plan.etp))
+    costs.sort(key=lambda c: (round(c.step_s, 9), c.plan.label, c.plan.parallel.etp))
     kept, dropped, smallest = [], 0, math.inf
-    too_big: dict[Plan, int] = {}  # plan with micro_batch=0 -> smallest that did not fit
+    too_big: dict[Plan, int] = {}  # plan, micro-batches zeroed -> smallest that did not fit
     for cost in costs:
         if limit is not None and len(kept) >= limit:
             break
         plan = cost.plan
         if accept is not None and not accept(plan):
             continue
-        key = dataclasses.replace(plan, micro_batch=0)
-        if check_memory and plan.micro_batch >= too_big.get(key, math.inf):
+        key = dataclasses.replace(
+            plan, parallel=dataclasses.replace(plan.parallel, microbatches=0), grad_accum=0
+        )
+        if check_memory and cost.micro_batch >= too_big.get(key, math.inf):
             dropped += 1  # memory only grows with the micro-batch
             continue
         memory = _memory(config, plan, batch) if check_memory else None
         if memory is not None and not fits(memory, gpu):
             dropped += 1
             smallest = min(smallest, memory.total)
-            too_big[key] = min(plan.micro_batch, too_big.get(key, math.inf))
+            too_big[key] = min(cost.micro_batch, too_big.get(key, math.inf))
             continue
         kept.append(Candidate(cost, memory))
     return Ranking(kept, dropped, len(costs), smallest, gpu, gpus, batch)
@@ -276,8 +280,9 @@ def rank(
 def _memory(config: Config, plan: Plan, batch: int):
     from moe_jax.plan.memory import memory_per_device
 
-    sized = cost_model.sized_config(config, plan, batch)
-    return memory_per_device(sized, pp=plan.pp, micro_batch=plan.micro_batch)
+    # A 1F1B plan's stages are modelled as the trainer's pipeline of as many holds them.
+    held = dataclasses.replace(plan, schedule="gpipe")
+    return memory_per_device(held.config(config, batch))
 
 
 def megatron_baseline(
@@ -313,9 +318,9 @@ def megatron_baseline(
     )
 
 
-def choose_plan(config: Config, num_devices: int, gpu: GPU | str = "h800") -> dict:
+def choose_plan(config: Config, num_devices: int, gpu: GPU | str = "h800") -> ParallelConfig:
     """The fastest plan the trainer can run on `num_devices` devices of this process's
-    backend, as the `config.parallel` settings to apply, its pipeline's among them. The
+    backend, as the `config.parallel` to run, its pipeline's settings among them. The
     batch and `train.grad_accum` stay as configured: a pipeline only where grad_accum is
     1 (its micro-batches are the accumulation), none otherwise. Gradients sync as the
     trainer compiles them, and plans the layout specs reject for these devices are
@@ -325,27 +330,8 @@ def choose_plan(config: Config, num_devices: int, gpu: GPU | str = "h800") -> di
     platform = jax.default_backend()
     batch = config.train.batch_size
 
-    def settings(plan: Plan) -> dict:
-        sized = cost_model.sized_config(config, plan, batch).parallel
-        return {
-            "attention": plan.attention,
-            "experts": plan.experts,
-            "intra": plan.intra,
-            "data": plan.data,
-            "zero": plan.zero,
-            "etp": plan.etp,
-            "expert_fsdp": plan.expert_fsdp,
-            "overlap_chunks": plan.overlap_chunks,
-            "collective_matmul": plan.collective_matmul,
-            "stages": sized.stages,
-            "microbatches": sized.microbatches,
-            "repeats": sized.repeats,
-        }
-
     def runs(plan: Plan) -> bool:
-        parallel = dataclasses.replace(config.parallel, **settings(plan))
-        resolved = dataclasses.replace(config, parallel=parallel)
-        return not registry.problems(resolved, num_devices, platform)
+        return not registry.problems(plan.config(config, batch), num_devices, platform)
 
     search = dict(gpu=gpu, limit=1, grad_sync="per_micro_batch")
     flat = rank(
@@ -360,7 +346,7 @@ def choose_plan(config: Config, num_devices: int, gpu: GPU | str = "h800") -> di
     if config.train.grad_accum == 1:
         piped = rank(config, num_devices, accept=runs, min_pp=2, **search)
         found = sorted(found + piped.candidates, key=lambda c: c.cost.step_s)
-    return settings(found[0].plan if found else flat.best.plan)
+    return (found[0].plan if found else flat.best.plan).parallel
 
 
 def compute_comm_ratio(config: Config, gpu: GPU | str, n: int | None = None) -> float:
@@ -401,8 +387,9 @@ def explain(candidate: Candidate, gpu: GPU, runner_up: Candidate | None = None) 
     comm = sum(b.get(k, 0.0) for k in EXCHANGES)
     p = cost.plan
     lines = [
-        f"why {p.label} (n={p.intra}, pp={p.pp}, repeats={p.repeats}, data={p.data}, "
-        f"micro-batch={p.micro_batch}): step {step:.4g} s",
+        f"why {p.label} (n={p.parallel.intra}, pp={p.parallel.stages}, "
+        f"repeats={p.parallel.repeats}, data={p.parallel.data}, "
+        f"micro-batch={cost.micro_batch}): step {step:.4g} s",
         f"  compute {compute:.4g} s: " + ", ".join(f"{k} {share(k)}" for k in COMPUTE if b.get(k)),
         f"  exposed communication {comm:.4g} s: "
         + (", ".join(f"{k} {share(k)}" for k in EXCHANGES if b.get(k)) or "none"),
@@ -424,7 +411,7 @@ def explain(candidate: Candidate, gpu: GPU, runner_up: Candidate | None = None) 
         big = [kv for kv in sorted(deltas.items(), key=lambda kv: -abs(kv[1])) if kv[1]]
         big = [kv for kv in big if abs(kv[1]) > 1e-3 * step]
         lines.append(
-            f"  vs the best other layout, {other.plan.label} (n={other.plan.intra}, "
+            f"  vs the best other layout, {other.plan.label} (n={other.plan.parallel.intra}, "
             f"{other.step_s:.4g} s, {other.step_s / step:.2f}x): "
             + (", ".join(f"{k} {v:+.3g} s" for k, v in big[:3]) or "no term differs")
         )
@@ -434,13 +421,14 @@ def explain(candidate: Candidate, gpu: GPU, runner_up: Candidate | None = None) 
 def _bubble(cost: StepCost) -> str:
     """The bubble's share of a stage's ticks (or 1F1B micro-batches), by its formula."""
     p, m = cost.plan, cost.micro_batches
-    if p.pp == 1:
+    if p.parallel.stages == 1:
         return "no pipeline"
     if not p.pipelined:
-        return f"{cost.bubble:.1%} of each stage's time (1F1B, (p-1)/(m+p-1), p={p.pp}, m={m})"
+        stages = f"p={p.parallel.stages}, m={m}"
+        return f"{cost.bubble:.1%} of each stage's time (1F1B, (p-1)/(m+p-1), {stages})"
     return (
-        f"{cost.bubble:.1%} of the pipelined ticks ((S-1)/(M R + S - 1), S={p.pp} stages, "
-        f"M={m} micro-batches, R={p.repeats} repeats)"
+        f"{cost.bubble:.1%} of the pipelined ticks ((S-1)/(M R + S - 1), "
+        f"S={p.parallel.stages} stages, M={m} micro-batches, R={p.parallel.repeats} repeats)"
     )
 
 
@@ -448,10 +436,10 @@ def runner_up(ranking: Ranking) -> Candidate | None:
     """The fastest plan whose layout pair differs from the winner's and which is slower
     (layouts that tie, moving the same bytes, explain nothing)."""
     best = ranking.best
-    pair = (best.plan.attention, best.plan.experts)
+    pair = (best.plan.parallel.attention, best.plan.parallel.experts)
     for c in ranking.candidates[1:]:
         slower = c.cost.step_s > best.cost.step_s * (1 + 1e-9)
-        if slower and (c.plan.attention, c.plan.experts) != pair:
+        if slower and (c.plan.parallel.attention, c.plan.parallel.experts) != pair:
             return c
     return None
 
@@ -459,21 +447,21 @@ def runner_up(ranking: Ranking) -> Candidate | None:
 def summary(candidate: Candidate) -> dict:
     """The JSON form of one plan's prediction."""
     c = candidate.cost
-    p = c.plan
+    plan, p = c.plan, c.plan.parallel
     return {
         "attention": p.attention,
         "experts": p.experts,
         "n": p.intra,
-        "pp": p.pp,
+        "pp": p.stages,
         "repeats": p.repeats,
-        "schedule": p.schedule,
+        "schedule": plan.schedule,
         "data": p.data,
-        "micro_batch": p.micro_batch,
+        "micro_batch": c.micro_batch,
         "zero": p.zero,
         "expert_fsdp": p.expert_fsdp,
         "overlap_chunks": p.overlap_chunks,
         "collective_matmul": p.collective_matmul,
-        "overlap": p.overlap,
+        "overlap": plan.overlap,
         "tokens_per_sec": c.tokens_per_sec,
         "mfu": c.mfu,
         "step_s": c.step_s,

@@ -45,8 +45,9 @@ def resolve(config: Config, num_devices: int) -> Config:
 
         manual = dataclasses.replace(config.parallel, layout="manual")
         config = dataclasses.replace(config, parallel=manual)
-        chosen = choose_plan(config, num_devices, planner_gpu(config))
-        config = dataclasses.replace(config, parallel=dataclasses.replace(manual, **chosen))
+        config = dataclasses.replace(
+            config, parallel=choose_plan(config, num_devices, planner_gpu(config))
+        )
     p = config.parallel
     if p.experts == "auto":
         p = dataclasses.replace(p, experts=auto_experts(config))

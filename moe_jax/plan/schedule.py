@@ -28,13 +28,13 @@ class Schedules:
         table = self.table_params()
         out = []
         for s, layers in enumerate(self.stage_layers()):
-            ends = (s == 0) + (s == p.pp - 1 and not m.tie_embeddings)
+            ends = (s == 0) + (s == p.parallel.stages - 1 and not m.tie_embeddings)
             out.append(sum(self.layer_params(is_moe[i]) for i in layers) + ends * table)
         return out
 
     def stage_layers(self) -> list[range]:
         """Layers of each stage: the model cut into pp contiguous, near-equal parts."""
-        n, pp = self.config.model.num_layers, self.plan.pp
+        n, pp = self.config.model.num_layers, self.plan.parallel.stages
         bounds = [round(s * n / pp) for s in range(pp + 1)]
         return [range(bounds[s], bounds[s + 1]) for s in range(pp)]
 
@@ -44,7 +44,7 @@ class Schedules:
         is_moe = [m.block_of(i)[3] for i in range(m.num_layers)]
         layer = {kind: self.layer(kind) for kind in set(is_moe)}
         p2p = 0.0
-        if p.pp > 1:  # activations in and gradients back, each this device's tokens
+        if p.parallel.stages > 1:  # activations in and gradients back, each this device's tokens
             p2p = 2 * collective_time(self.t * m.embed_dim * self.B, 2, self.stage_link)
         stages = []
         params = self.stage_params()
@@ -52,7 +52,7 @@ class Schedules:
             tally = Tally(compute={"grad_accumulation": self.accumulation_s(params[s])})
             for i in layers:
                 tally.add(layer[is_moe[i]])
-            if s == p.pp - 1:
+            if s == p.parallel.stages - 1:
                 tally.add(self.head())
             if p2p:
                 tally.add(Tally(exposed={"pipeline_p2p": p2p}))
@@ -62,9 +62,9 @@ class Schedules:
     def one_f_one_b_step(self) -> tuple[dict[str, float], dict[str, float], float]:
         """(breakdown, hidden, slowest stage's micro-batch seconds) of m micro-batches
         through 1F1B (no pipeline: one stage)."""
-        p = self.plan
+        p = self.plan.parallel
         stages = self.stages()
-        slowest = max(range(p.pp), key=lambda s: stages[s].seconds)
+        slowest = max(range(p.stages), key=lambda s: stages[s].seconds)
         stage = stages[slowest]
         t_mb = stage.seconds
         mbs = self.micro_batches
@@ -72,7 +72,7 @@ class Schedules:
         for k, v in stage.exposed.items():
             breakdown[k] = breakdown.get(k, 0.0) + v * mbs
         hidden = {k: v * mbs for k, v in stage.hidden.items()}
-        breakdown["bubble"] = (p.pp - 1) * t_mb
+        breakdown["bubble"] = (p.stages - 1) * t_mb
         shown, hid = self.grad_sync_s(stages[0].backward, len(self.stage_layers()[0]))
         breakdown["grad_sync"] = shown
         hidden["grad_sync"] = hid
@@ -83,7 +83,9 @@ class Schedules:
 
     def units_per_group(self) -> int:
         """MoE units (moe_every - 1 dense layers, one MoE layer) of each of the R S groups."""
-        return self.config.model.num_moe_layers // (self.plan.pp * self.plan.repeats)
+        return self.config.model.num_moe_layers // (
+            self.plan.parallel.stages * self.plan.parallel.repeats
+        )
 
     def unit(self, forward_only: bool = False) -> Tally:
         """One pipelined unit for one micro-batch: forward, backward and the model's
@@ -145,8 +147,8 @@ class Schedules:
         work and S - 1 of bubble, each stage's K = M / S micro-batches outside the
         pipeline, the sends of those to stage 0 and back (forward and backward), one
         exposed gradient sum and the optimizer."""
-        p = self.plan
-        tick, k = self.tick(), self.micro_batches // p.pp
+        p = self.plan.parallel
+        tick, k = self.tick(), self.micro_batches // p.stages
         total = Tally()
         total.add(tick, self.micro_batches * p.repeats)
         total.add(self.outside(), k)
@@ -155,8 +157,8 @@ class Schedules:
             breakdown[key] = breakdown.get(key, 0.0) + value
         outside = self.outside_params()
         breakdown["grad_accumulation"] += self.accumulation_s(outside, passes=1)
-        breakdown["pipeline_p2p"] += 4 * (p.pp - 1) * self.send_s(k * self.t)
-        breakdown["bubble"] = (p.pp - 1) * tick.seconds
+        breakdown["pipeline_p2p"] += 4 * (p.stages - 1) * self.send_s(k * self.t)
+        breakdown["bubble"] = (p.stages - 1) * tick.seconds
         breakdown["grad_sync"] = self.pipeline_sync_s()
         breakdown["optimizer"] = self.optimizer_s(p.repeats * self.group_params() + outside)
         return breakdown, {**total.hidden, "grad_sync": 0.0}, tick.seconds
