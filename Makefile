@@ -58,7 +58,7 @@ train: $(VENV)/.runtime
 test: $(VENV)/.dev $(HF_VENV)/.ready
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=15
+	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=25
 
 lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check .
