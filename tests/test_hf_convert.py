@@ -304,6 +304,7 @@ def _first_step(config, parallel, source: Path, grad_accum: int = 1):
     """(metrics, canonical parameters after it, the initial state) of the first step of a
     run under `parallel` started by `train.init_from=source`."""
     from moe_jax import init_from
+    from moe_jax.optimizer import rates
     from moe_jax.parallel import pipeline
     from moe_jax.train_step import init_program
     from tests.layouts import batch
@@ -318,7 +319,8 @@ def _first_step(config, parallel, source: Path, grad_accum: int = 1):
     start = dataclasses.replace(config.train, init_from="")  # the step reads no source
     sharding = mesh_lib.batch_sharding(layout)
     inputs = {k: jax.device_put(v, sharding) for k, v in batch(config).items()}
-    after, metrics = _step(graphdef, dataclasses.replace(config, train=start))(state, inputs)
+    lr = rates(config.train, 0, 1)[0]
+    after, metrics = _step(graphdef, dataclasses.replace(config, train=start))(state, inputs, lr)
     return jax.device_get(metrics), jax.device_get(pipeline.canonical(after.params)), state
 
 
@@ -328,7 +330,7 @@ def _step(graphdef, config):
     come from share it."""
     from moe_jax.train_step import train_step
 
-    return jax.jit(lambda s, b: train_step(graphdef, config, s, b))
+    return jax.jit(lambda s, b, lr: train_step(graphdef, config, s, b, lr))
 
 
 def test_init_from_into_a_pipeline_trains_as_the_unpipelined_run(built, tmp_path):
