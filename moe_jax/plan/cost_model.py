@@ -63,12 +63,13 @@ Constants: `moe_jax.plan.op_costs` (`Efficiency`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from moe_jax.config import Config, ParallelConfig
 from moe_jax.flops import flops_per_token
 from moe_jax.parallel import registry
 from moe_jax.parallel.layout import DATA, INTRA
-from moe_jax.plan import comm_volume
+from moe_jax.plan import comm_volume, state_arrays
 from moe_jax.plan.grad_sync import GradSync
 from moe_jax.plan.hardware import GPU
 from moe_jax.plan.op_costs import (
@@ -398,25 +399,18 @@ class CostModel(BlockCosts, Schedules, GradSync):
         tally.add(self._pass(self.head_ops(), self.head_exchanges(), backward=True))
         return tally
 
+    @functools.cached_property
+    def _block_params(self) -> dict[str, float]:
+        return state_arrays.block_params(self.sized)
+
     def layer_params(self, moe: bool) -> float:
-        """Parameters of one layer on one device (tp splits attention and dense weights
-        over the intra group, fsdp over data; experts always over the intra group)."""
-        m, e, p = self.config.model, self.config.moe, self.plan
-        h = m.embed_dim
-        split = self.split
-        attention = h * m.head_dim * (2 * m.num_heads + 2 * m.num_kv_heads) / split
-        if not moe:
-            return attention + 3 * h * m.mlp_dim / split
-        shared = 3 * h * e.shared_mlp_dim * e.num_shared_experts / split
-        experts = 3 * h * e.expert_mlp_dim * e.num_experts / p.parallel.intra
-        experts /= p.parallel.data if p.parallel.expert_fsdp else 1
-        return attention + experts + h * e.num_experts + shared
+        """Parameters of one layer on one device, as the plan places the train state's
+        arrays (`state_arrays.block_params`)."""
+        return self._block_params.get("moe" if moe else "dense", 0.0)  # 0: none such
 
     def table_params(self) -> float:
         """Parameters of the embedding table (or the head) on one device."""
-        m = self.config.model
-        vocab_split = self.plan.parallel.intra if self.plan.parallel.vocab_parallel else 1
-        return m.vocab_size * m.embed_dim / max(self._intra_split, vocab_split)
+        return self._block_params["table"]
 
     def accumulation_s(self, params: float, passes: int | None = None) -> float:
         """Each of `passes` backward passes (default: one per micro-batch) adds its weight

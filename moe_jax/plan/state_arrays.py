@@ -35,6 +35,7 @@ class StateArray:
     part: str  # 'params', 'biases', 'opt_state', 'step' or 'rng'
     moment: bool  # an optimizer variable (ZeRO-1 splits it over 'data')
     stack: str | None  # 'dense' or 'moe': stacked over that stack's units on axis 0
+    block: int | None  # of a stacked array: its block's place in the unit (`block_of`)
 
 
 @functools.cache
@@ -59,6 +60,7 @@ def _state_arrays(model: ModelConfig, moe: MoEConfig, clipped: bool) -> tuple:
                 part=keys[0],
                 moment=variable and keys[0] == "opt_state",
                 stack=next((k for k in keys if k in ("dense", "moe")), None),
+                block=int(keys[keys.index("blocks") + 1]) if "blocks" in keys else None,
             )
         )
     return tuple(arrays)
@@ -109,6 +111,33 @@ def units(config: Config) -> list[tuple[str, int]]:
         stack, unit, _, _ = config.model.block_of(layer)
         blocks[stack, unit] = blocks.get((stack, unit), 0) + 1
     return [(stack, count) for (stack, _), count in blocks.items()]
+
+
+def block_params(config: Config) -> dict[str, float]:
+    """Parameters one device holds of one dense layer ('dense'), one MoE layer ('moe') and
+    the embedding table ('table'), as the plan places them, for the cost model's gradient
+    accumulation and optimizer times. A layer's share: its stacked arrays' over the units
+    they stack (counted without a pipeline, which splits only the units over 'stage')."""
+    p = config.parallel
+    flat = dataclasses.replace(config, parallel=dataclasses.replace(p, stages=1, repeats=1))
+    moe_block = {}  # (stack, block in the unit) -> is MoE, by the model's own rule
+    for layer in range(config.model.num_layers):
+        stack, _, block, moe = config.model.block_of(layer)
+        moe_block[stack, block] = moe
+    layers: dict[tuple[str, int], float] = {}
+    out = {"table": 0.0}
+    for array in state_arrays(flat):
+        if array.part != "params":
+            continue
+        elements = device_bytes(flat, array) / array.itemsize
+        if array.stack is not None:
+            key = array.stack, array.block
+            layers[key] = layers.get(key, 0.0) + elements / array.shape[0]
+        elif array.path.startswith(".params['embed']"):
+            out["table"] += elements
+    for key, elements in layers.items():
+        out.setdefault("moe" if moe_block[key] else "dense", elements)
+    return out
 
 
 def state_bytes(config: Config) -> dict[str, int]:
