@@ -8,8 +8,8 @@ It starts from a plain checkout (the repository root is put on the path; no inst
 no ml_collections), offline. Sections, in order of value, each skipped when the time
 left (`--budget`, from the start) does not cover what it needs:
 
-1. versions: the imports, then GPU, memory, driver, jax, jaxlib, CUDA plugin, cuDNN,
-   flax, optax, Python (`bench/gpu_versions.py`);
+1. versions: GPU, memory, driver, jax, jaxlib, CUDA plugin, cuDNN, flax, optax,
+   Python (`bench/gpu_versions.py`), then every section's imports;
 2. kernel_correctness: each grouped matmul's three products and the fused Pallas ops
    against float64 references (`bench/gpu_kernels.py`);
 3. attention_correctness: cuDNN flash attention and the blockwise core against

@@ -190,6 +190,21 @@ def test_a_five_second_budget_skips_sections_instead_of_overrunning(tmp_path):
     assert not report["complete"] and report["ok"]
 
 
+def test_the_gpu_machine_command_runs_gpu_check_with_its_budget(tmp_path):
+    """`sh bench/gpu_run.sh OUT FLAGS`, the GPU machine's one command, installs the
+    carried wheels if any and passes its flags on: the report lands in OUT."""
+    env = {**_env(), "PYTHON": sys.executable, "BUDGET": "60", "WHEELS_SITE": str(tmp_path / "s")}
+    done = subprocess.run(
+        ["sh", str(ROOT / "bench" / "gpu_run.sh"), str(tmp_path / "out"), "--small",
+         "--sections", "versions"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert report["sections"] == {"versions": "done"} and report["budget_s"] == 60
+    assert json.loads(done.stdout.splitlines()[-1]) == report
+
+
 def test_bad_flags_are_one_error_line(tmp_path):
     for flags, message in (
         (["--sections", "nope"], "error: --sections: unknown 'nope'; valid: versions,"),
