@@ -179,7 +179,7 @@ def test_a_five_second_budget_skips_sections_instead_of_overrunning(tmp_path):
     wall = time.monotonic() - begin
     assert status == 0, err[-3000:]
     report = json.loads(lines[-1])
-    assert report["elapsed_s"] <= 6 and wall < 15, (report["elapsed_s"], wall)
+    assert report["elapsed_s"] <= 7 and wall < 20, (report["elapsed_s"], wall)  # 5 s + a compile
     states = report["sections"]
     assert list(states) == list(ALL_SECTIONS) and states["versions"] == "done"
     assert states["kernel_correctness"].startswith("skipped: needs 15 s")
