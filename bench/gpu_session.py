@@ -91,6 +91,7 @@ class Section:
 
     def record(self, key: str, value, group: str | None = None) -> None:
         """Store `value` under `key` (in the sub-dict `group`), print it, save the report."""
+        check_stopped()
         where = self.results.setdefault(group, {}) if group else self.results
         where[key] = value
         shown = f"{value:.2e}" if isinstance(value, float) and abs(value) < 1e-2 else value
@@ -98,17 +99,20 @@ class Section:
         self.save()
 
     def fail(self, line: str) -> None:
+        check_stopped()  # an exception caused by the stop is no failure
         self.failures.append(f"{self.name}: {line}")
         print(f"FAILED {self.name}: {line}", flush=True)
         self.save()
 
     def note(self, line: str) -> None:
+        check_stopped()
         self.notes.append(f"{self.name}: {line}")
         print(f"note {self.name}: {line}", flush=True)
         self.save()
 
     def time_for(self, seconds: float, what: str) -> bool:
         """Whether `what` (about `seconds` long) fits in the time left; a note if not."""
+        check_stopped()
         if self.left() >= seconds:
             return True
         self.note(f"{what} skipped: needs about {seconds:.0f} s, {max(self.left(), 0):.0f} s left")
@@ -166,13 +170,30 @@ class _Tee:
         self.log.close()
 
 
-_stopping = [False]  # set once the run is stopping: a second signal changes nothing
+@dataclasses.dataclass
+class _StopState:
+    reason: str | None = None  # the first signal's ("SIGINT", "SIGTERM", "budget")
+    writing: bool = False  # the final report is being written: signals wait
+
+
+_STOP = _StopState()
 
 
 def _stop(signum, frame) -> None:
-    if not _stopping[0]:
-        _stopping[0] = True
-        raise Stopped("budget" if signum == signal.SIGALRM else signal.Signals(signum).name)
+    if _STOP.writing:
+        return
+    _STOP.reason = _STOP.reason or (
+        "budget" if signum == signal.SIGALRM else signal.Signals(signum).name
+    )
+    raise Stopped(_STOP.reason)
+
+
+def check_stopped() -> None:
+    """Raises Stopped again if a stop arrived and its exception was lost: raised where
+    Python ignores exceptions (a __del__, a gc callback) or wrapped by a library into
+    an Exception that a check caught. Called at every record and between sections."""
+    if _STOP.reason and not _STOP.writing:
+        raise Stopped(_STOP.reason)
 
 
 def run(steps: list[Step], small: bool, budget: float, out: Path | None, start: float) -> int:
@@ -195,6 +216,7 @@ def run(steps: list[Step], small: bool, budget: float, out: Path | None, start: 
     stopped = None
     try:
         for step in steps:
+            check_stopped()
             need = step.small if small else step.full
             left = deadline - time.monotonic()
             if left < need:
@@ -208,8 +230,9 @@ def run(steps: list[Step], small: bool, budget: float, out: Path | None, start: 
                 break
     except Stopped as why:
         stopped = str(why)
-    _stopping[0] = True  # from here on the report is written whole, whatever arrives
+    _STOP.writing = True  # from here on the report is written whole, whatever arrives
     signal.setitimer(signal.ITIMER_REAL, 0)
+    stopped = stopped if stopped == "the imports failed" else _STOP.reason or stopped
     sections = data["sections"]
     for name, state in sections.items():
         if state == "running":
@@ -242,6 +265,7 @@ def _run_step(step: Step, small: bool, deadline: float, report: Report) -> None:
         step.run(section)
         data["sections"][name] = "done"
     except Exception as error:  # the other sections still run
+        check_stopped()  # unless the stop caused it
         traceback.print_exc()
         section.fail(raised(error))
         data["sections"][name] = "failed"

@@ -157,7 +157,7 @@ def test_sigint_keeps_the_finished_sections_and_names_the_rest(tmp_path):
             run.send_signal(signal.SIGINT)
             break
     status, lines, err = _finish(run, lines)
-    assert status == 128 + signal.SIGINT, err[-3000:]
+    assert status == 128 + signal.SIGINT, (lines[-30:], err[-3000:])
     report = json.loads(lines[-1])
     assert report == json.loads((out / "gpu_check.json").read_text())
     assert report["sections"] == {
