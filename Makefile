@@ -26,7 +26,7 @@ endif
 # A .venv of an older (or vanished) Python is rebuilt, even when its stamps are newer.
 VENV_OK := $(shell $(PY) $(PY_CHECK) >/dev/null 2>&1 && echo yes)
 
-.PHONY: train test lint format bench clean FORCE
+.PHONY: train test lint format bench gpu-wheels clean FORCE
 
 $(VENV)/.runtime: requirements.txt pyproject.toml $(if $(VENV_OK),,FORCE)
 	$(if $(VENV_OK),,rm -rf $(VENV) && $(BASE_PYTHON) -m venv $(VENV))
@@ -69,6 +69,11 @@ format: $(VENV)/.dev
 
 bench: $(VENV)/.runtime
 	$(PY) bench/moe_layer.py
+
+# The wheels an offline GPU machine lacks, into .whl/ (git-ignored); how to install them
+# there: docs/kernels-and-benchmarks.md#gpu-checks.
+gpu-wheels:
+	sh bench/gpu_wheels.sh .whl
 
 clean:
 	rm -rf $(VENV) $(HF_VENV) .pytest_cache .ruff_cache

@@ -1,4 +1,5 @@
-"""Kernel-level checks of the grouped GEMMs (parts 1b, 2 and 3 of `gpu_check.py`).
+"""Kernel-level checks of the grouped GEMMs (sections `kernel_correctness`,
+`gemm_timing` and `permutation_timing` of `gpu_check.py`).
 
 Each implementation's grouped matmul [M, d] x [E, d, f] -> [M, f] (rows sorted by
 expert, unpadded, `group_sizes` per expert) is run as one `jax.vjp`: the forward, the
@@ -27,12 +28,13 @@ from __future__ import annotations
 
 import runpy
 from functools import partial
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from timing import median_seconds
+import repo_root  # before moe_jax: this checkout on the path
+from gpu_session import Section, raised
+from timing import DoesNotFit, median_seconds
 
 from moe_jax.config import MoEConfig
 from moe_jax.kernels import pallas_gmm, requirements, tokamax_gmm
@@ -42,27 +44,24 @@ from moe_jax.moe import dispatch as dsp
 from moe_jax.moe.routing import Routing
 
 GPU = jax.default_backend() == "gpu"
-ROOT = Path(__file__).resolve().parents[1]
 ROWS = 32768  # M = tokens * top_k per GEMM on GPU; tokens = ROWS // top_k
 SMALL_ROWS, SMALL_DIMS = 384, (64, 48)  # --small: M, and (hidden, width) for every shape
 # Worst |error| / max |reference| per product. Triton's float32 dot may use TF32.
 TOLERANCE = {"float32": 1e-4, "bfloat16": 1e-2}
 PALLAS_F32_TOLERANCE = 2e-3
 OPTIONAL = ("tokamax_mosaic",)  # an exception here is a note, not a failure
-
-
-def raised(error: Exception) -> str:
-    """One line for an exception a check caught (so the other checks still run)."""
-    lines = str(error).strip().splitlines() or [""]
-    return f"raised {type(error).__name__}: {lines[0][:200]}"
+# Seconds one timing needs (compile, warm-up, repeats): checked against the budget.
+GEMM_SECONDS = {"small": 1.0, "full": 10.0}
+PERMUTATION_SECONDS = {"small": 3.0, "full": 20.0}
 
 
 def model_shapes(small: bool = False) -> dict[str, tuple[int, int, int, int]]:
-    """(hidden, expert width, experts, top_k) per model; the 352B from its config.
-    `small`: DeepSeek-MoE's routing (64 experts, top-6) at SMALL_DIMS."""
+    """(hidden, expert width, experts, top_k) per model; the 352B from its config file's
+    typed CONFIG (no ml_collections needed). `small`: DeepSeek-MoE's routing (64
+    experts, top-6) at SMALL_DIMS."""
     if small:
         return {"deepseek_moe_16b": (*SMALL_DIMS, 64, 6)}
-    paper = runpy.run_path(str(ROOT / "configs" / "megascale_352b.py"))["get_config"]()
+    paper = runpy.run_path(str(repo_root.ROOT / "configs" / "megascale_352b.py"))["CONFIG"]
     return {
         "mixtral_8x7b": (4096, 14336, 8, 2),
         "deepseek_moe_16b": (2048, 1408, 64, 6),
@@ -163,12 +162,13 @@ def size_cases(block: int, experts: int = 6) -> dict[str, list[int]]:
     }
 
 
-def check_products(small: bool) -> tuple[dict, list[str], list[str]]:
+def check_products(ctx: Section) -> None:
     """Worst relative error per implementation and dtype over the size cases."""
     block = pallas_gmm.default_blocks().m
-    d, f = (40, 24) if small else (136, 200)  # not multiples of the blocks: edges masked
+    d, f = (40, 24) if ctx.small else (136, 200)  # not multiples of the blocks: edges masked
     impls, notes = implementations(tile=16)
-    errors, failures = {}, []
+    for line in notes:
+        ctx.note(line)
     for dtype in (jnp.float32, jnp.bfloat16):
         name = jnp.dtype(dtype).name
         for impl, gmm in impls.items():
@@ -190,16 +190,15 @@ def check_products(small: bool) -> tuple[dict, list[str], list[str]]:
                     tol = TOLERANCE[name]
                     tol = PALLAS_F32_TOLERANCE if impl == "pallas" and name == "float32" else tol
                     if not err <= tol:
-                        failures.append(f"{impl}/{name}/{case}: {err:.2e} > {tol:.0e}")
+                        ctx.fail(f"{impl}/{name}/{case}: {err:.2e} > {tol:.0e}")
                     worst = max(worst, err)
             except Exception as error:  # the other implementations still run
                 if impl in OPTIONAL:
-                    notes.append(f"{impl}/{name} not run: {raised(error)}")
+                    ctx.note(f"{impl}/{name} not run: {raised(error)}")
                 else:
-                    failures.append(f"{impl}/{name} {raised(error)}")
+                    ctx.fail(f"{impl}/{name} {raised(error)}")
                 continue
-            errors[f"{impl}/{name}"] = worst
-    return errors, failures, notes
+            ctx.record(f"{impl}/{name}", worst, "products")
 
 
 def random_routing(rng, tokens: int, experts: int, top_k: int, skew: float = 0.0) -> Routing:
@@ -269,21 +268,31 @@ def _fused_case(rng, dtype, tokens: int, d: int, f: int):
     return {"gather_gmm": (got_up, want_up), "gmm_scatter": (got_down, want_down)}
 
 
-def check_fused(small: bool) -> tuple[dict, list[str]]:
+def check_fused(ctx: Section) -> None:
     """gather_gmm and gmm_scatter, values and gradients, against float64 dispatch ->
     GEMM -> combine."""
-    tokens, d, f = (40, 40, 24) if small else (300, 136, 200)
-    errors, failures = {}, []
+    tokens, d, f = (40, 40, 24) if ctx.small else (300, 136, 200)
     for seed, dtype in enumerate((jnp.float32, jnp.bfloat16)):
         name = jnp.dtype(dtype).name
-        cases = _fused_case(np.random.default_rng(100 + seed), dtype, tokens, d, f)
+        try:
+            cases = _fused_case(np.random.default_rng(100 + seed), dtype, tokens, d, f)
+        except Exception as error:  # the other dtype still runs
+            ctx.fail(f"fused/{name} {raised(error)}")
+            continue
         for op, (got, want) in cases.items():
             err = max(_rel(a, b) for a, b in zip(got, want, strict=True))
             tol = PALLAS_F32_TOLERANCE if name == "float32" else TOLERANCE[name]
-            errors[f"{op}/{name}"] = err
+            ctx.record(f"{op}/{name}", err, "fused")
             if not err <= tol:
-                failures.append(f"{op}/{name}: {err:.2e} > {tol:.0e}")
-    return errors, failures
+                ctx.fail(f"{op}/{name}: {err:.2e} > {tol:.0e}")
+
+
+def correctness(ctx: Section) -> None:
+    """Section `kernel_correctness`: every grouped GEMM's three products, then the
+    fused ops, with XLA's float32 dots in float32."""
+    with jax.default_matmul_precision("highest"):
+        check_products(ctx)
+        check_fused(ctx)
 
 
 def zipf_sizes(rows: int, experts: int, top_k: int, skew: float = 1.0) -> np.ndarray:
@@ -305,12 +314,17 @@ def balanced_sizes(rows: int, experts: int) -> np.ndarray:
     return rows // experts + (np.arange(experts) < rows % experts)
 
 
-def time_gemms(small: bool, repeats: int) -> tuple[dict, list[str], list[str]]:
-    """TFLOP/s of the three GEMMs per implementation, shape and routing, bfloat16; notes
-    and failures (an implementation that raised)."""
-    results, notes, failures = {}, [], []
-    rows = SMALL_ROWS if small else ROWS
-    for seed, (shape, (hidden, width, experts, top_k)) in enumerate(model_shapes(small).items()):
+def time_gemms(ctx: Section) -> None:
+    """Section `gemm_timing`: TFLOP/s of the three GEMMs per implementation (pallas and
+    ragged_dot first), shape (Mixtral first) and routing, bfloat16, against a dense
+    matmul; a program too large for the device is a note, one that raised a failure."""
+    rows, repeats = (SMALL_ROWS, 1) if ctx.small else (ROWS, 10)
+    item = GEMM_SECONDS["small" if ctx.small else "full"]
+    for seed, (shape, (hidden, width, experts, top_k)) in enumerate(
+        model_shapes(ctx.small).items()
+    ):
+        if not ctx.time_for(3 * item, shape):
+            continue
         tokens = rows // top_k
         m = tokens * top_k
         keys = jax.random.split(jax.random.key(seed), 3)
@@ -321,25 +335,29 @@ def time_gemms(small: bool, repeats: int) -> tuple[dict, list[str], list[str]]:
         dense = three_gemms(lambda x, w, _: x @ w)
         base = median_seconds(dense, (x, w[0], jnp.zeros(1, jnp.int32), dy), repeats)
         prefix = f"{shape}(M={m},h={hidden},f={width},E={experts},k={top_k})"
-        results[f"{prefix}/dense_tflops"] = _sig(flops / base / 1e12)
-        tile = MoEConfig(num_experts=experts, top_k=top_k).tile(tokens)
-        impls, _ = implementations(tile)
-        for impl, gmm in impls.items():
-            fn = three_gemms(gmm)
+        ctx.record(f"{prefix}/dense_tflops", _sig(flops / base / 1e12), "tflops")
+        impls, _ = implementations(MoEConfig(num_experts=experts, top_k=top_k).tile(tokens))
+        for impl in sorted(impls, key=lambda name: (name != "pallas", name != "ragged_dot")):
+            fn = three_gemms(impls[impl])
             for routing in ("balanced", "zipf1"):
+                key = f"{prefix}/{routing}/{impl}"
+                if not ctx.time_for(item, key):
+                    continue
                 sizes = balanced_sizes(m, experts) if routing == "balanced" else None
                 sizes = zipf_sizes(m, experts, top_k) if sizes is None else sizes
                 args = (x, w, jnp.asarray(sizes, jnp.int32), dy)
                 try:
                     seconds = median_seconds(fn, args, repeats)
+                except DoesNotFit as why:
+                    ctx.note(f"{impl} at {shape} not timed: {why}")
+                    break
                 except Exception as error:
                     line = f"{impl} at {shape} not timed: {raised(error)}"
-                    (notes if impl in OPTIONAL else failures).append(line)
+                    (ctx.note if impl in OPTIONAL else ctx.fail)(line)
                     break
-                key = f"{prefix}/{routing}/{impl}"
-                results[f"{key}_tflops"] = _sig(flops / seconds / 1e12)
-                results[f"{key}_vs_dense"] = round(base / seconds, 3)
-    return results, notes, failures
+                ctx.record(f"{key}_tflops", _sig(flops / seconds / 1e12), "tflops")
+                ctx.record(f"{key}_vs_dense", round(base / seconds, 3), "tflops")
+        del x, w, dy
 
 
 def _sig(value: float) -> float:
@@ -351,14 +369,18 @@ def _bytes_per_s(fn, args, nbytes: int, repeats: int) -> float:
     return nbytes / median_seconds(jax.jit(fn), args, repeats)
 
 
-def time_permutation(small: bool, repeats: int) -> dict:
-    """Dispatch and combine bandwidth against a copy's, and the fused maps' overhead."""
-    big = jax.random.normal(jax.random.key(5), (2**14 if small else 2**24, 64), jnp.bfloat16)
+def time_permutation(ctx: Section) -> None:
+    """Section `permutation_timing`: dispatch and combine bandwidth against a copy's,
+    and the fused maps' overhead, per shape."""
+    repeats = 1 if ctx.small else 10
+    big = jax.random.normal(jax.random.key(5), (2**14 if ctx.small else 2**24, 64), jnp.bfloat16)
     copy = _bytes_per_s(lambda a: a * 2, (big,), 2 * big.nbytes, repeats)
-    results = {"copy_GBps": _sig(copy / 1e9)}
+    ctx.record("copy_GBps", _sig(copy / 1e9))
     del big
-    rows = SMALL_ROWS if small else ROWS
-    for shape, (hidden, width, experts, top_k) in model_shapes(small).items():
+    rows = SMALL_ROWS if ctx.small else ROWS
+    for shape, (hidden, width, experts, top_k) in model_shapes(ctx.small).items():
+        if not ctx.time_for(PERMUTATION_SECONDS["small" if ctx.small else "full"], shape):
+            continue
         tokens = rows // top_k
         rng = np.random.default_rng(7)
         routing = random_routing(rng, tokens, experts, top_k)
@@ -371,15 +393,19 @@ def time_permutation(small: bool, repeats: int) -> dict:
             "dispatch": (dsp.dispatch, (x, layout), 2 * m * hidden * item),
             "combine": (dsp.combine, (y, layout, routing), (m + tokens) * hidden * item),
         }
-        for op, (fn, args, nbytes) in moved.items():
-            speed = _bytes_per_s(fn, args, nbytes, repeats)
-            results[f"{shape}/{op}_GBps"] = _sig(speed / 1e9)
-            results[f"{shape}/{op}_vs_copy"] = round(speed / copy, 3)
-        results.update(_fused_overhead(shape, keys, x, y, routing, layout, width, repeats))
-    return results
+        try:
+            for op, (fn, args, nbytes) in moved.items():
+                speed = _bytes_per_s(fn, args, nbytes, repeats)
+                ctx.record(f"{shape}/{op}_GBps", _sig(speed / 1e9))
+                ctx.record(f"{shape}/{op}_vs_copy", round(speed / copy, 3))
+            _fused_overhead(ctx, shape, keys, x, y, routing, layout, width, repeats)
+        except DoesNotFit as why:
+            ctx.note(f"{shape} not timed: {why}")
+        except Exception as error:  # the other shapes still run
+            ctx.fail(f"{shape} {raised(error)}")
 
 
-def _fused_overhead(shape, keys, x, y, routing, layout, width, repeats) -> dict:
+def _fused_overhead(ctx, shape, keys, x, y, routing, layout, width, repeats) -> None:
     """Pallas forward+backward of both projections with the maps fused (gather_gmm,
     gmm_scatter) against the same GEMMs on pre-permuted rows."""
     tokens, hidden = x.shape
@@ -408,47 +434,9 @@ def _fused_overhead(shape, keys, x, y, routing, layout, width, repeats) -> dict:
         ),
         "down_plain": (vjp(lambda h, w: pallas_plain(h, w, sizes), y), (h, w_down)),
     }
-    ms = {name: median_seconds(jax.jit(f), args, repeats) * 1e3 for name, (f, args) in runs.items()}
-    out = {f"{shape}/pallas_{name}_ms": round(v, 3) for name, v in ms.items()}
+    ms = {}
+    for name, (f, args) in runs.items():
+        ms[name] = median_seconds(jax.jit(f), args, repeats) * 1e3
+        ctx.record(f"{shape}/pallas_{name}_ms", round(ms[name], 3))
     fused, plain = ms["up_fused"] + ms["down_fused"], ms["up_plain"] + ms["down_plain"]
-    out[f"{shape}/pallas_fused_overhead"] = round(fused / plain - 1, 3)
-    return out
-
-
-def _guarded(name: str, fn, failures: list[str], default, *args):
-    """fn(*args), or `default` with a failure line when it raises (the rest still runs)."""
-    try:
-        return fn(*args)
-    except Exception as error:
-        failures.append(f"{name} {raised(error)}")
-        return default
-
-
-def run(small: bool) -> dict:
-    """All kernel-level checks; `ok` is False when a correctness check fails or a
-    non-optional kernel raises."""
-    repeats, failures = (1 if small else 10), []
-    with jax.default_matmul_precision("highest"):  # XLA's float32 dots in float32
-        products, found, notes = _guarded("products", check_products, failures, ({}, [], []), small)
-        failures += found
-        fused, found = _guarded("fused", check_fused, failures, ({}, []), small)
-        failures += found
-    report = {"correctness": products, "fused_correctness": fused}
-    for key, value in {**products, **fused}.items():
-        print(f"kernels correctness {key}: {value:.2e}", flush=True)
-    tflops, timing_notes, found = _guarded(
-        "gemm timing", time_gemms, failures, ({}, [], []), small, repeats
-    )
-    report["tflops"], failures = tflops, failures + found
-    for key, value in tflops.items():
-        print(f"kernels gemm {key}: {value}", flush=True)
-    report["permutation"] = _guarded(
-        "permutation timing", time_permutation, failures, {}, small, repeats
-    )
-    for key, value in report["permutation"].items():
-        print(f"kernels permutation {key}: {value}", flush=True)
-    report["notes"], report["failures"] = notes + timing_notes, failures
-    for line in report["notes"] + [f"FAILED {f}" for f in failures]:
-        print(f"kernels {line}", flush=True)
-    report["ok"] = not failures
-    return report
+    ctx.record(f"{shape}/pallas_fused_overhead", round(fused / plain - 1, 3))

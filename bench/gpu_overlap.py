@@ -39,6 +39,7 @@ from functools import partial  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import repo_root  # noqa: E402, F401  (before moe_jax: this checkout on the path)
 from timing import median_seconds  # noqa: E402
 
 from moe_jax.tools import hlo_collectives  # noqa: E402

@@ -11,7 +11,8 @@ runs.
 
 1. Correctness: loss and gradients of the ragged dispatcher against
    the padded `ep_a2a` one for a 2-layer MoE transformer (embed 256, 8 experts
-   top-2, batch 8, seq 512) in float32 and bfloat16, and for the MoE block
+   top-2, batch 8, seq 512) in float32 and bfloat16 (`--small`: float32, tiny
+   sizes), and for the MoE block
    alone with balanced routing, every token sent to experts 0 and 1 (the
    receive bound reached), and capacity drops. The padded layout is also
    checked against the single-device model.
@@ -28,8 +29,10 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
+import repo_root  # noqa: F401  (before moe_jax: this checkout on the path)
 from flax import nnx
-from timing import median_seconds
+from gpu_session import Section, raised, unbounded
+from timing import DoesNotFit, median_seconds
 
 from moe_jax.config import Config, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
 from moe_jax.model.transformer import Transformer
@@ -48,7 +51,8 @@ BLOCK_CASES = {
     "all_to_two_experts": (0.0, 100.0),
     "capacity": (0.75, 0.0),
 }
-CPU_SKIP = "SKIP ragged path: XLA:CPU does not implement ragged_all_to_all (lowered only)"
+CPU_SKIP = "ragged path lowered only: XLA:CPU does not implement ragged_all_to_all"
+RUN_SECONDS = {"small": 4.0, "full": 15.0}  # one comparison: compile both, run, time
 
 
 def make_config(small: bool, dtype: str, devices: int) -> Config:
@@ -138,70 +142,63 @@ def tolerance(key: str) -> float:
     return TOLERANCE[key.split("/")[-2]]
 
 
-def compare_and_time(name: str, steps: dict, ragged_runs: bool, repeats: int):
-    """Errors against the padded exchange and timings of every step in `steps`, and why
-    the ragged step failed (None if it ran): a failure there keeps the padded numbers."""
-    errors, timing = {}, {}
+def compare_and_time(ctx: Section, name: str, steps: dict, ragged_runs: bool, repeats: int):
+    """Errors against the padded exchange and timings of every step in `steps`, recorded
+    as they come; a ragged step that raises is a failure and keeps the padded numbers."""
     padded = outputs(*steps["padded"])
     if "single" in steps:
-        errors[f"{name}/padded_vs_single"] = max_rel_error(padded, outputs(*steps["single"]))
+        error = max_rel_error(padded, outputs(*steps["single"]))
+        _check(ctx, f"{name}/padded_vs_single", error)
     padded_s = median_seconds(*steps["padded"], repeats)
-    timing[f"{name}/padded_ms"] = round(padded_s * 1e3, 3)
+    ctx.record(f"{name}/padded_ms", round(padded_s * 1e3, 3), "timing")
     if not ragged_runs:
         steps["ragged"][0].lower(*steps["ragged"][1])
-        return errors, timing, None
+        return
     try:
         ragged = outputs(*steps["ragged"])
     except Exception as error:  # report it and carry on with the other cases
-        return errors, timing, f"{name}: {type(error).__name__}: {str(error).splitlines()[0]}"
-    errors[f"{name}/ragged_vs_padded"] = max_rel_error(ragged, padded)
+        ctx.fail(f"ragged {name} {raised(error)}")
+        return
+    _check(ctx, f"{name}/ragged_vs_padded", max_rel_error(ragged, padded))
     ragged_s = median_seconds(*steps["ragged"], repeats)
-    timing[f"{name}/ragged_ms"] = round(ragged_s * 1e3, 3)
-    timing[f"{name}/padded_over_ragged"] = round(padded_s / ragged_s, 3)
-    return errors, timing, None
+    ctx.record(f"{name}/ragged_ms", round(ragged_s * 1e3, 3), "timing")
+    ctx.record(f"{name}/padded_over_ragged", round(padded_s / ragged_s, 3), "timing")
 
 
-def run(small: bool) -> dict:
-    """Checks and times the ragged layout against the padded one; returns the report."""
+def _check(ctx: Section, key: str, error: float) -> None:
+    ctx.record(key, error, "max_rel_error")
+    if not error < tolerance(key):
+        ctx.fail(f"{key}: {error:.2e} > {tolerance(key):.0e}")
+
+
+def section(ctx: Section) -> None:
+    """Section `ragged_exchange`: checks and times the ragged layout against the padded
+    one, model first then the block cases, each as the budget allows."""
     devices = jax.device_count()
     ragged_runs = jax.default_backend() != "cpu"
-    print(f"jax {jax.__version__} on {devices} x {jax.devices()[0].device_kind}", flush=True)
-    if not ragged_runs:
-        print(CPU_SKIP, flush=True)
-    repeats = 2 if small else 10
-    report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "devices": devices}
-    report["ragged"] = "ran" if ragged_runs else CPU_SKIP
-    errors, timing, failures = {}, {}, []
-    for dtype in DTYPES:
-        config = make_config(small, dtype, devices)
+    ctx.record("devices", devices)
+    ctx.record("ragged", "ran" if ragged_runs else CPU_SKIP)
+    repeats = 2 if ctx.small else 10
+    need = RUN_SECONDS["small" if ctx.small else "full"]
+    for dtype in DTYPES[:1] if ctx.small else DTYPES:  # a dry run: float32's code paths
+        config = make_config(ctx.small, dtype, devices)
         kinds = layouts(config)
-        steps = {kind: model_step(config, layout) for kind, layout in kinds.items()}
-        steps["single"] = model_step(config, SINGLE_DEVICE)
-        runs = [(f"model/{dtype}", steps)]
-        for case in BLOCK_CASES if dtype == "float32" else ("balanced",):
-            steps = {
-                kind: block_step(config, layout, case, dtype) for kind, layout in kinds.items()
-            }
-            runs.append((f"block/{case}/{dtype}", steps))
-        for name, steps in runs:
-            found_errors, found_timing, failure = compare_and_time(
-                name, steps, ragged_runs, repeats
-            )
-            errors.update(found_errors)
-            timing.update(found_timing)
-            failures += [failure] if failure else []
-    for key, value in errors.items():
-        print(f"correctness {key}: {value:.2e} (tolerance {tolerance(key):.0e})", flush=True)
-    for key, value in timing.items():
-        print(f"timing {key}: {value}", flush=True)
-    report["max_rel_error"] = errors
-    report["timing"] = timing
-    for failure in failures:
-        print(f"FAILED ragged {failure}", flush=True)
-    report["ragged_failures"] = failures
-    report["ok"] = not failures and all(value < tolerance(key) for key, value in errors.items())
-    print(f"ok: {report['ok']}", flush=True)
-    return report
+        runs = [(f"model/{dtype}", None)]
+        runs += [(f"block/{case}/{dtype}", case) for case in BLOCK_CASES]
+        for name, case in runs if dtype == "float32" else runs[:2]:
+            if not ctx.time_for(need, name):
+                continue
+            if case is None:
+                steps = {kind: model_step(config, layout) for kind, layout in kinds.items()}
+                steps["single"] = model_step(config, SINGLE_DEVICE)
+            else:
+                steps = {
+                    kind: block_step(config, layout, case, dtype) for kind, layout in kinds.items()
+                }
+            try:
+                compare_and_time(ctx, name, steps, ragged_runs, repeats)
+            except DoesNotFit as why:
+                ctx.note(f"{name} not run: {why}")
 
 
 def main() -> None:
@@ -209,7 +206,10 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="tiny sizes, for a dry run")
     parser.add_argument("--json", action="store_true", help="end with one JSON object")
     args = parser.parse_args()
-    report = run(args.small)
+    ctx = unbounded("ragged_exchange", args.small)
+    section(ctx)
+    report = {**ctx.results, "failures": ctx.failures, "ok": not ctx.failures}
+    print(f"ok: {report['ok']}", flush=True)
     if args.json:
         print(json.dumps(report))
 

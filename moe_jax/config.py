@@ -4,18 +4,22 @@ Config files in `configs/` are `ml_collections` dicts (overridable from the
 command line); `load()` turns one into frozen dataclasses and validates it
 once, before anything is traced or compiled. Every error is a one-line
 `ValueError` that names the setting and what would be valid.
+
+`ml_collections` is imported only where a config dict is made or read: the
+dataclasses alone serve the GPU checks (`bench/gpu_*.py`) on a machine without it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
-
-import ml_collections
+from typing import TYPE_CHECKING, Any
 
 from moe_jax import names
 from moe_jax.kernels import requirements
+
+if TYPE_CHECKING:
+    import ml_collections
 
 SCORE_FNS = ("softmax", "sigmoid")
 MOE_IMPLS = ("auto", "tiled", "ragged_dot", "pallas", "tokamax", "capacity", "dense")
@@ -233,12 +237,14 @@ SCHEDULES = ("cosine", "linear", "constant", "wsd", "inverse_sqrt")
 
 def to_config_dict(config: Config) -> ml_collections.ConfigDict:
     """The `ml_collections` form of a typed config (what `configs/*.py` return)."""
+    import ml_collections
+
     return ml_collections.ConfigDict(dataclasses.asdict(config))
 
 
 def load(config: ml_collections.ConfigDict | dict[str, Any]) -> Config:
     """Builds the typed config from a config dict and validates it."""
-    raw = config.to_dict() if isinstance(config, ml_collections.ConfigDict) else dict(config)
+    raw = config.to_dict() if hasattr(config, "to_dict") else dict(config)  # a ConfigDict
     unknown = sorted(set(raw) - set(SECTIONS))
     if unknown:
         raise ValueError(f"unknown config section {unknown[0]!r}; valid: {sorted(SECTIONS)}")

@@ -19,8 +19,13 @@ empty. Two kernels cover the three products a MoE layer needs:
 Why Triton rather than Mosaic GPU: the fused maps are gathers and scattered adds
 of whole rows, which Triton expresses as masked pointer loads and atomics on every
 GPU generation and jax version this project supports, and `interpret=True` runs
-the same kernels on CPU through public API, which is how they are tested. On CPU
-the kernels always run interpreted (slowly; for tests only).
+the same kernels on CPU through public API, which is how they are tested.
+
+Interpreted or compiled by Triton is decided per lowering platform
+(`lax.platform_dependent`), not from the process's default backend: a program
+lowered for a GPU it does not run on (an abstract H100 in the CPU tests,
+`tests/test_pallas_lowering.py`) gets the Triton kernels and the GPU tiles, and only
+a program lowered for CPU runs them interpreted (slowly; for tests only).
 """
 
 from __future__ import annotations
@@ -47,11 +52,26 @@ class Blocks:
     stages: int = 3
 
 
-def default_blocks() -> Blocks:
-    """H100/H200 bf16 tiles on GPU; small ones in interpret mode (CPU tests)."""
-    if jax.default_backend() == "gpu":
-        return Blocks(m=64, k=64, n=128, warps=4, stages=3)
-    return Blocks(m=16, k=16, n=16, warps=4, stages=1)
+GPU_BLOCKS = Blocks(m=64, k=64, n=128, warps=4, stages=3)  # H100/H200 bf16 tiles
+INTERPRET_BLOCKS = Blocks(m=16, k=16, n=16, warps=4, stages=1)  # small: fast CPU tests
+
+
+def default_blocks(platform: str | None = None) -> Blocks:
+    """The tiles used on `platform` (default: this process's backend): GPU tiles on a
+    GPU, small ones where the kernels are interpreted (CPU)."""
+    platform = platform or jax.default_backend()
+    return GPU_BLOCKS if platform in ("gpu", "cuda", "rocm") else INTERPRET_BLOCKS
+
+
+def per_platform(run, blocks: Blocks | None, *args: jax.Array) -> jax.Array:
+    """`run(interpret, blocks, *args)`, chosen when the program is lowered: interpreted
+    with the CPU tiles for CPU, Triton with the GPU tiles for any other platform.
+    `blocks` given: those tiles on every platform."""
+    return jax.lax.platform_dependent(
+        *args,
+        cpu=functools.partial(run, True, blocks or INTERPRET_BLOCKS),
+        default=functools.partial(run, False, blocks or GPU_BLOCKS),
+    )
 
 
 def fit(size: int, preferred: int) -> int:
@@ -186,44 +206,46 @@ def grouped_matmul(
     `out_rows` [rows] (and optionally `out_scale` [rows]) it is [num_out_rows, N]
     float32: out[out_rows[r]] += out_scale[r] * row r (an index >= num_out_rows is
     dropped); within one group the `out_rows` must be distinct, as a MoE's are."""
-    blocks = blocks or default_blocks()
     rows = rows if rows is not None else (lhs.shape[0] if lhs_rows is None else lhs_rows.shape[0])
-    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    contraction = rhs.shape[2] if transpose_rhs else rhs.shape[1]
-    blocks = dataclasses.replace(blocks, k=fit(contraction, blocks.k), n=fit(n, blocks.n))
-    offsets = group_offsets(group_sizes)
-    group, block = work_items(offsets, rows, blocks.m)
-    width = pl.cdiv(n, blocks.n) * blocks.n  # whole column blocks: no two lanes share a cell
-    interpret = jax.default_backend() != "gpu"
-    if out_rows is None:  # + a spare row for masked-off lanes when interpreted
-        zeros = jnp.zeros((rows + interpret, width), lhs.dtype)
-    else:
-        zeros = jnp.zeros((num_out_rows + 1, width), jnp.float32)  # + a spare row for misses
-    kernel = functools.partial(
-        _grouped_kernel, blocks=blocks, rows=rows, transpose_rhs=transpose_rhs
-    )
     optional = [a for a in (lhs_rows, out_rows, out_scale) if a is not None]
     names = (lhs_rows is not None, out_rows is not None, out_scale is not None)
 
-    def bound(*refs):
-        offsets_ref, group_ref, block_ref, lhs_ref, rhs_ref, *rest = refs
-        extra = iter(rest[: len(optional)])
-        maps = [next(extra) if present else None for present in names]
-        zeros_ref, out_ref = rest[len(optional) :]
-        kernel(offsets_ref, group_ref, block_ref, lhs_ref, rhs_ref, *maps, zeros_ref, out_ref)
+    def run(interpret: bool, blocks: Blocks, lhs, rhs, group_sizes, *optional):
+        n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+        contraction = rhs.shape[2] if transpose_rhs else rhs.shape[1]
+        blocks = dataclasses.replace(blocks, k=fit(contraction, blocks.k), n=fit(n, blocks.n))
+        offsets = group_offsets(group_sizes)
+        group, block = work_items(offsets, rows, blocks.m)
+        width = pl.cdiv(n, blocks.n) * blocks.n  # whole column blocks: no two lanes share a cell
+        if out_rows is None:  # + a spare row for masked-off lanes when interpreted
+            zeros = jnp.zeros((rows + interpret, width), lhs.dtype)
+        else:
+            zeros = jnp.zeros((num_out_rows + 1, width), jnp.float32)  # + a spare row for misses
+        kernel = functools.partial(
+            _grouped_kernel, blocks=blocks, rows=rows, transpose_rhs=transpose_rhs
+        )
 
-    inputs = [offsets, group, block, lhs, rhs, *optional, zeros]
-    call = pl.pallas_call(
-        bound,
-        out_shape=jax.ShapeDtypeStruct(zeros.shape, zeros.dtype),
-        grid=(group.shape[0], width // blocks.n),
-        input_output_aliases={len(inputs) - 1: 0},
-        interpret=interpret,
-        compiler_params=plt.CompilerParams(num_warps=blocks.warps, num_stages=blocks.stages),
-        name="moe_grouped_matmul",
-    )
-    out = unchecked(call, *inputs)
-    return out[:rows, :n] if out_rows is None else out[:-1, :n]
+        def bound(*refs):
+            offsets_ref, group_ref, block_ref, lhs_ref, rhs_ref, *rest = refs
+            extra = iter(rest[: len(optional)])
+            maps = [next(extra) if present else None for present in names]
+            zeros_ref, out_ref = rest[len(optional) :]
+            kernel(offsets_ref, group_ref, block_ref, lhs_ref, rhs_ref, *maps, zeros_ref, out_ref)
+
+        inputs = [offsets, group, block, lhs, rhs, *optional, zeros]
+        out = pl.pallas_call(
+            bound,
+            out_shape=jax.ShapeDtypeStruct(zeros.shape, zeros.dtype),
+            grid=(group.shape[0], width // blocks.n),
+            input_output_aliases={len(inputs) - 1: 0},
+            interpret=interpret,
+            compiler_params=plt.CompilerParams(num_warps=blocks.warps, num_stages=blocks.stages),
+            name="moe_grouped_matmul",
+        )(*inputs)
+        return out[:rows, :n] if out_rows is None else out[:-1, :n]
+
+    call = functools.partial(per_platform, run, blocks)
+    return unchecked(call, lhs, rhs, group_sizes, *optional)
 
 
 def _transposed_kernel(
@@ -279,28 +301,30 @@ def transposed_grouped_matmul(
     """[E, K, N] float32: out[g] = sum over group g's rows r of a_r^T b_r, where
     a_r = lhs[lhs_rows[r]] (or lhs[r]) and b_r = rhs_scale[r] * rhs[rhs_rows[r]]
     (or rhs[r]); indices past the end read zeros. One pass over each group's rows."""
-    blocks = blocks or default_blocks()
     k, n = lhs.shape[1], rhs.shape[1]
-    blocks = dataclasses.replace(blocks, k=fit(k, blocks.k), n=fit(n, blocks.n))
-    offsets = group_offsets(group_sizes)
     num_groups = group_sizes.shape[0]
-    k_pad, n_pad = pl.cdiv(k, blocks.k) * blocks.k, pl.cdiv(n, blocks.n) * blocks.n
     optional = [a for a in (lhs_rows, rhs_rows, rhs_scale) if a is not None]
     names = (lhs_rows is not None, rhs_rows is not None, rhs_scale is not None)
-    kernel = functools.partial(_transposed_kernel, blocks=blocks, rows=rows)
 
-    def bound(offsets_ref, lhs_ref, rhs_ref, *rest):
-        extra = iter(rest[: len(optional)])
-        maps = [next(extra) if present else None for present in names]
-        kernel(offsets_ref, lhs_ref, rhs_ref, *maps, rest[-1])
+    def run(interpret: bool, blocks: Blocks, group_sizes, lhs, rhs, *optional):
+        blocks = dataclasses.replace(blocks, k=fit(k, blocks.k), n=fit(n, blocks.n))
+        k_pad, n_pad = pl.cdiv(k, blocks.k) * blocks.k, pl.cdiv(n, blocks.n) * blocks.n
+        kernel = functools.partial(_transposed_kernel, blocks=blocks, rows=rows)
 
-    call = pl.pallas_call(
-        bound,
-        out_shape=jax.ShapeDtypeStruct((num_groups, k_pad, n_pad), jnp.float32),
-        grid=(num_groups, k_pad // blocks.k, n_pad // blocks.n),
-        interpret=jax.default_backend() != "gpu",
-        compiler_params=plt.CompilerParams(num_warps=blocks.warps, num_stages=blocks.stages),
-        name="moe_transposed_grouped_matmul",
-    )
-    out = unchecked(call, offsets, lhs, rhs, *optional)
-    return out[:, :k, :n]
+        def bound(offsets_ref, lhs_ref, rhs_ref, *rest):
+            extra = iter(rest[: len(optional)])
+            maps = [next(extra) if present else None for present in names]
+            kernel(offsets_ref, lhs_ref, rhs_ref, *maps, rest[-1])
+
+        out = pl.pallas_call(
+            bound,
+            out_shape=jax.ShapeDtypeStruct((num_groups, k_pad, n_pad), jnp.float32),
+            grid=(num_groups, k_pad // blocks.k, n_pad // blocks.n),
+            interpret=interpret,
+            compiler_params=plt.CompilerParams(num_warps=blocks.warps, num_stages=blocks.stages),
+            name="moe_transposed_grouped_matmul",
+        )(group_offsets(group_sizes), lhs, rhs, *optional)
+        return out[:, :k, :n]
+
+    call = functools.partial(per_platform, run, blocks)
+    return unchecked(call, group_sizes, lhs, rhs, *optional)
