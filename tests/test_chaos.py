@@ -7,8 +7,6 @@ that was never interrupted."""
 from __future__ import annotations
 
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -16,6 +14,7 @@ import numpy as np
 
 from moe_jax.checkpoint import Checkpointer
 from moe_jax.metrics import read_rows
+from tests import warm
 from tests.test_trainer import ROOT, TINY, _env, _final_params, _train_cli, tiny_config
 
 STEPS, EVERY_CHECKPOINT, EVERY_EVAL = 60, 5, 7
@@ -75,7 +74,7 @@ def _logged(run: Path) -> list[tuple]:
 
 def test_twenty_kills_change_nothing(tmp_path: Path):
     straight = tmp_path / "straight"
-    done = _train_cli(straight, *SETTINGS)
+    done = _train_cli(straight, *SETTINGS, warm=True)
     assert done.returncode == 0, done.stderr[-3000:]
 
     run, kills = tmp_path / "chaos", []
@@ -83,10 +82,10 @@ def test_twenty_kills_change_nothing(tmp_path: Path):
         resumed = _resumes_at(run) if run.exists() else 0
         n = _nth(kind, resumed, target, rename)
         kills.append(f"{kind} #{n} from step {resumed} (target step {target})")
-        chaos = [sys.executable, "tests/chaos.py", kind, str(n), f"--workdir={run}", *SETTINGS]
-        killed = subprocess.run(chaos, cwd=ROOT, env=_env(), capture_output=True, text=True)
+        chaos = ["tests/chaos.py", kind, str(n), f"--workdir={run}", *SETTINGS]
+        killed = warm.run(ROOT, chaos, _env(), timeout=300)
         assert killed.returncode == -9, (kills, killed.stderr[-3000:])
-    done = _train_cli(run, *SETTINGS)
+    done = _train_cli(run, *SETTINGS, warm=True)
     assert done.returncode == 0, (kills, done.stderr[-3000:])
 
     assert _logged(run) == _logged(straight), kills  # every logged loss, bit for bit

@@ -27,6 +27,7 @@ from moe_jax.data import pipeline
 from moe_jax.data.token_files import write_meta, write_split
 from moe_jax.metrics import read_rows
 from moe_jax.train_state import init_state
+from tests import warm as warm_commands
 from tests.commands import subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,8 +64,13 @@ def _train_cmd(workdir: Path, *args: str) -> list[str]:
     return [sys.executable, "-m", "moe_jax.train", f"--workdir={workdir}", *args]
 
 
-def _train_cli(workdir: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`python -m moe_jax.train` as a user types it, run to the end, output as text."""
+def _train_cli(
+    workdir: Path, *args: str, timeout: float = 300, warm: bool = False
+) -> subprocess.CompletedProcess:
+    """`python -m moe_jax.train` as a user types it, run to the end, output as text; with
+    `warm`, forked from the warm interpreter of `tests.warm` (no start-up imports)."""
+    if warm:
+        return warm_commands.run(ROOT, _train_cmd(workdir, *args)[1:], _env(), timeout)
     return subprocess.run(
         _train_cmd(workdir, *args),
         cwd=ROOT,

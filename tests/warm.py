@@ -147,7 +147,10 @@ _servers: dict[tuple, Server] = {}
 
 
 def run(cwd: Path, argv: list[str], env: dict[str, str], timeout: float):
-    """`argv` run by the warm server for `env` (one per distinct environment)."""
+    """`argv` run by the warm server for `env` (one per distinct environment). pytest's
+    PYTEST_CURRENT_TEST, which names each test, is left out: with it every test would
+    start a server of its own and pay for the imports the server is there to spare."""
+    env = {k: v for k, v in env.items() if k != "PYTEST_CURRENT_TEST"}
     key = tuple(sorted(env.items()))
     if key not in _servers or _servers[key].process.poll() is not None:
         _servers[key] = Server(env)
