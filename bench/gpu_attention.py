@@ -16,8 +16,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import repo_root  # noqa: F401  (before moe_jax: this checkout on the path)
-from gpu_session import Section, raised
-from timing import DoesNotFit, median_seconds
+from gpu_session import Section, raised, timed
 
 from moe_jax.config import Config, ModelConfig, MoEConfig, TrainConfig
 from moe_jax.kernels.attention import FUNCTIONS
@@ -130,14 +129,10 @@ def timing(ctx: Section) -> None:
     for name in core_names():
         if not ctx.time_for(ITEM_SECONDS["small" if ctx.small else "full"], name):
             continue
-        try:
-            ms[name] = median_seconds(_grads(FUNCTIONS[name]), args, 3 if ctx.small else 10) * 1e3
-        except DoesNotFit as why:
-            ctx.note(f"{name} not timed: {why}")
+        seconds = timed(ctx, name, _grads(FUNCTIONS[name]), args, 3 if ctx.small else 10)
+        if seconds is None:
             continue
-        except Exception as error:
-            ctx.fail(f"{name} {raised(error)}")
-            continue
+        ms[name] = seconds * 1e3
         ctx.record(f"{name}/bf16_ms", round(ms[name], 3))
         if name != "xla" and "xla" in ms:
             ctx.record(f"{name}/vs_xla", round(ms["xla"] / ms[name], 3))

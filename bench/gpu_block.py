@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import repo_root  # noqa: F401  (before moe_jax: this checkout on the path)
 from flax import nnx
-from gpu_session import Section, raised
-from timing import DoesNotFit, median_seconds
+from gpu_session import Section, raised, timed
+from timing import median_seconds
 
 from moe_jax.config import MoEConfig
 from moe_jax.kernels import tokamax_gmm
@@ -114,13 +114,8 @@ def timing(ctx: Section) -> None:
                     z_loss_coef=0.0,
                 )
                 fn, params = _grad_fn(cfg, dim, dtype)
-                try:
-                    seconds = median_seconds(fn, (params, x), repeats)
-                except DoesNotFit as why:
-                    ctx.note(f"{key} not timed: {why}")
-                    continue
-                except Exception as error:
-                    ctx.fail(f"{key} {raised(error)}")
+                seconds = timed(ctx, key, fn, (params, x), repeats)
+                if seconds is None:
                     continue
                 ctx.record(f"{key}_ms", round(seconds * 1e3, 3))
                 ctx.record(f"{key}_vs_matmul", round(base / seconds, 3))

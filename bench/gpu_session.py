@@ -119,6 +119,20 @@ class Section:
         return False
 
 
+def timed(ctx: Section, what: str, fn, args, repeats: int) -> float | None:
+    """`timing.median_seconds` inside a section: None, with a note, for a program the
+    device cannot hold, or with a failure line when it raises (the other items run on)."""
+    from timing import DoesNotFit, median_seconds  # jax: not before `versions`
+
+    try:
+        return median_seconds(fn, args, repeats)
+    except DoesNotFit as why:
+        ctx.note(f"{what} not timed: {why}")
+    except Exception as error:
+        ctx.fail(f"{what} {raised(error)}")
+    return None
+
+
 def unbounded(name: str = "check", small: bool = False) -> Section:
     """A section without a budget, for running one part as a script of its own."""
     return Section(name, small, float("inf"), {}, [], [])

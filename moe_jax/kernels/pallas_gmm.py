@@ -64,13 +64,15 @@ def default_blocks(platform: str | None = None) -> Blocks:
 
 
 def per_platform(run, blocks: Blocks | None, *args: jax.Array) -> jax.Array:
-    """`run(interpret, blocks, *args)`, chosen when the program is lowered: interpreted
-    with the CPU tiles for CPU, Triton with the GPU tiles for any other platform.
-    `blocks` given: those tiles on every platform."""
+    """`run(interpret, blocks, *args)`, chosen when the program is lowered: Triton with
+    the GPU tiles for an NVIDIA or AMD GPU, interpreted with the small tiles anywhere
+    else (CPU, and TPU, which has no Triton). `blocks` given: those tiles everywhere."""
+    triton = functools.partial(run, False, blocks or GPU_BLOCKS)
     return jax.lax.platform_dependent(
         *args,
-        cpu=functools.partial(run, True, blocks or INTERPRET_BLOCKS),
-        default=functools.partial(run, False, blocks or GPU_BLOCKS),
+        cuda=triton,
+        rocm=triton,
+        default=functools.partial(run, True, blocks or INTERPRET_BLOCKS),
     )
 
 
