@@ -78,14 +78,17 @@ def _block_exchanges(hlo: str) -> dict[tuple[str, str, str], list]:
 
 
 # Forward collective-permutes per step, by hand: each exchange of a block, its way in
-# and its way out, is n-1 of them, per layer (3 layers: one dense, two MoE with a
-# shared expert). tp, n=4: attention 2·3 per layer; the MLPs 2·3 in the dense layer
-# and 3 in each MoE layer, whose shared expert's way in is the expert block's (XLA
-# shares the one ring of the layer's tokens, as it shares their all-gather); the expert
-# block 2·3. sp, n=8: q, k and v travel as one buffer, so attention is 2·7 per layer.
+# and its way out, is n-1 of them, per layer. tp+ep_etp, n=4, on DENSE (3 layers: one
+# dense, two MoE with a shared expert): attention 2·3 per layer; the MLPs 2·3 in the
+# dense layer and 3 in each MoE layer, whose shared expert's way in is the expert
+# block's (XLA shares the one ring of the layer's tokens, as it shares their
+# all-gather); the expert block 2·3 (the tokens travel around all n, the experts' width
+# split within pairs). sp+etp, n=8, on BASE (2 MoE layers): q, k and v travel as one
+# buffer, so attention is 2·7 per layer, and the expert block 2·7. Both are programs of
+# `PLANS`, compiled once for both tests.
 PERMUTES = {
-    ("tp", "ep_ag", 4): {"attention": 3 * 6, "mlp": 6 + 2 * 3, "moe": 2 * 6},
-    ("sp", "etp", 8): {"attention": 3 * 14, "moe": 2 * 14},
+    ("tp", "ep_etp", 4): (DENSE, {"attention": 3 * 6, "mlp": 6 + 2 * 3, "moe": 2 * 6}),
+    ("sp", "etp", 8): (BASE, {"attention": 2 * 14, "moe": 2 * 14}),
 }
 
 
@@ -96,12 +99,12 @@ def test_each_exchange_compiles_to_n_minus_one_permutes(attention, experts, intr
     and moving the same bytes (within 1%); nothing else exchanges tokens there. The
     backward's transposed rings move the plain backward's bytes (XLA sums the gradients
     of a shared ring before they travel, so they are compared over the blocks)."""
-    one = with_plan(attention, 8 // intra, intra, experts, base=DENSE)
+    base, blocks = PERMUTES[attention, experts, intra]
+    one = with_plan(attention, 8 // intra, intra, experts, base=base)
     want, got = (_block_exchanges(planned(c).hlo) for c in (one, _ring(one)))
     sent = lambda found, block, pass_: sum(
         c.bytes for (b, _, p), cs in found.items() if b in block and p == pass_ for c in cs
     )
-    blocks = PERMUTES[attention, experts, intra]
     for block, count in blocks.items():
         assert {kind for b, kind, _ in got if b == block} == {"collective-permute"}, block
         plain = {kind for b, kind, _ in want if b == block}
@@ -118,8 +121,9 @@ def test_each_exchange_compiles_to_n_minus_one_permutes(attention, experts, intr
 def test_every_permute_has_a_gemm_to_hide_behind():
     """Def-use walk over the compiled forward: for each ring step's collective-permute of
     the expert and tp blocks there is a GEMM of the same block (a dot, or a fusion that
-    holds one) that neither feeds it nor waits for it, so the two can run at once."""
-    hlo = planned(_ring(with_plan("tp", 2, 4, "ep_ag"))).hlo
+    holds one) that neither feeds it nor waits for it, so the two can run at once (tp's
+    attention and MLP rings, ep_etp's expert ring: the first program of `PLANS`)."""
+    hlo = planned(_ring(with_plan("tp", 2, 4, "ep_etp", base=DENSE))).hlo
     program = hlo_collectives.instructions(hlo)
     with_dot = {ins.computation for ins in program if ins.opcode == "dot"}
     bodies: dict[str, dict[str, hlo_collectives.Instruction]] = {}
@@ -163,10 +167,10 @@ def test_every_permute_has_a_gemm_to_hide_behind():
 
 def test_comm_report_labels_the_ring_steps():
     """The report's ring column names each step, and the ring moves the plain
-    collectives' token-exchange bytes (within 1%)."""
+    collectives' token-exchange bytes (within 1%) (the first program of `PLANS`)."""
     from moe_jax.tools import comm_report
 
-    one = with_plan("tp", 2, 4, "ep_ag")
+    one = with_plan("tp", 2, 4, "ep_etp", base=DENSE)
     reports = [
         comm_report.summarize(run.config, hlo_collectives.parse(run.hlo))
         for run in (planned(one), planned(_ring(one)))
