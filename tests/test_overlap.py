@@ -55,7 +55,8 @@ def _by_pass(hlo: str, block: str = "moe") -> dict[tuple[str, str], list[int]]:
     [
         ("dp", "ep_ag", 4, "moe", {"all-gather", "reduce-scatter"}),
         ("dp", "ep_a2a", 8, "moe", {"all-to-all"}),
-        ("sp", "ep_ag", 4, "attention", {"all-to-all"}),  # Ulysses, chunked over the batch
+        # Ulysses, chunked over the batch (the programs of test_chunks_give_the_numbers_of_one)
+        ("sp", "etp", 4, "attention", {"all-to-all"}),
     ],
 )
 def test_each_exchange_runs_once_per_chunk_at_a_chunks_size(
