@@ -328,7 +328,7 @@ def test_init_program_outputs_only_each_devices_share(plan):
     layout = mesh_lib.make_layout(config, mesh_lib.make_mesh(config))
     _, abstract = abstract_state(config, layout)
     shardings = mesh_lib.train_state_shardings(abstract, layout, zero)
-    compiled = init_program(config, layout, shardings).lower().compile()
+    compiled = init_program(config, layout, shardings).lower().compile(compiler_options=FAST)
     predicted = memory.memory_per_device(config)
     tuple_table = 8 * len(jax.tree.leaves(abstract))  # XLA also counts the output tuple's pointers
     output = compiled.memory_analysis().output_size_in_bytes
