@@ -25,11 +25,25 @@ COMMANDS = {
 CONFIG_COMMANDS = ("train", "plan", "comm_report")  # those that take --config flags
 
 
+# Every test program, in the test process and in each child it starts, is compiled at
+# XLA:CPU's backend optimisation level 0: LLVM's optimiser is most of the compile time
+# of these tiny programs (3x of the start-up program's, whose random-number code it
+# optimises), and the tests read numbers, programs and memory, never speed. Level 0
+# changes no HLO pass, buffer or collective.
+COMPILE_FLAGS = "--xla_backend_optimization_level=0"
+
+
+def xla_flags(devices: int | None = None) -> str:
+    """XLA_FLAGS for a test process: `COMPILE_FLAGS`, and `devices` forced CPU devices."""
+    forced = f" --xla_force_host_platform_device_count={devices}" if devices else ""
+    return COMPILE_FLAGS + forced
+
+
 def subprocess_env(**extra: str) -> dict[str, str]:
-    """This process's environment for a child Python, less the forced device count of the
-    test session (the child sets its own, or runs on one device), plus `extra`."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    return {**env, **extra}
+    """This process's environment for a child Python, with XLA_FLAGS less the forced
+    device count of the test session (the child sets its own, or runs on one device),
+    plus `extra`."""
+    return {**os.environ, "XLA_FLAGS": xla_flags(), **extra}
 
 
 def run_command(cwd: Path, command: str, args: list[str], timeout: int = 300, warm: bool = False):

@@ -1,11 +1,14 @@
-"""Test setup: 8 forced CPU devices (for sharding tests) before jax is imported."""
+"""Test setup: 8 forced CPU devices (for sharding tests) and the tests' compile flags
+(`tests.commands.COMPILE_FLAGS`) before jax is imported."""
 
 import os
 import tempfile
 
 import pytest
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from tests.commands import xla_flags  # imports no jax
+
+os.environ.setdefault("XLA_FLAGS", xla_flags(8))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Compiled programs are cached on disk and shared by the test process and the
 # training subprocesses it starts (many tests compile the same tiny model).

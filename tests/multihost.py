@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from moe_jax.metrics import read_rows
+from tests.commands import xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 20  # the multi-process runs
@@ -47,7 +48,7 @@ def losses(workdir: Path) -> dict[int, float]:
 def run(command: list[str], devices: int) -> subprocess.CompletedProcess:
     """`command` from the repository root, with `devices` forced CPU devices per process."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] = xla_flags(devices)
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 

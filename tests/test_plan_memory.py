@@ -340,7 +340,7 @@ def test_init_program_outputs_only_each_devices_share(plan):
 MIXTRAL_64 = textwrap.dedent(
     """
     import dataclasses, os, runpy, sys
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=64"
+    os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=64"
     os.environ["JAX_PLATFORMS"] = "cpu"
     from functools import partial
     import jax, jax.numpy as jnp

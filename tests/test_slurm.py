@@ -29,6 +29,7 @@ from moe_jax.checkpoint import Checkpointer
 from moe_jax.parallel import mesh as mesh_lib
 from moe_jax.plan.resolve import resolve
 from moe_jax.train_state import init_state
+from tests.commands import xla_flags
 from tests.multihost import MODEL, MORE_STEPS, ROOT, SAVED_PLAN, STEPS, flags, losses, train
 from tests.settings import make_config
 
@@ -67,7 +68,7 @@ def cluster(tmp_path_factory) -> dict[str, str]:
 
 def _sbatch(cluster: dict, workdir: Path, train_flags: list[str], wait: bool) -> tuple[str, int]:
     """Submits the template as a 2-task job of 4 CPU devices per task: (job id, exit code)."""
-    env = dict(cluster, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    env = dict(cluster, XLA_FLAGS=xla_flags(4))
     env.update(JAX_PLATFORMS="cpu", MOE_JAX_PYTHON=sys.executable, PYTHONUNBUFFERED="1")
     command = ["sbatch", "--parsable", "--nodes=1", "--ntasks=2", "--gpus-per-node=0"]
     command += ["--cpus-per-task=1", "--time=00:20:00", f"--output={workdir}.out"]
