@@ -41,6 +41,13 @@ BASE = Config(
     ),
     train=TrainConfig(batch_size=8, seq_len=16),
 )
+# BASE with a dense first layer (model.mlp_dim) and a shared expert in every MoE layer,
+# so that every kind of weight is placed and tp's MLP ring runs too.
+DENSE = dataclasses.replace(
+    BASE,
+    model=dataclasses.replace(BASE.model, num_layers=3, first_k_dense=1, mlp_dim=32),
+    moe=dataclasses.replace(BASE.moe, num_shared_experts=1, shared_mlp_dim=16),
+)
 # Halves XLA:CPU compile time; these tests check numbers and collectives, not speed.
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 STEPS = 3

@@ -13,14 +13,7 @@ import numpy as np
 import pytest
 
 from moe_jax.tools import hlo_collectives
-from tests.layouts import BASE, assert_leaves_close_in_norm, planned, with_plan
-
-# A dense first layer and a shared expert, so that tp's MLP ring runs too.
-DENSE = dataclasses.replace(
-    BASE,
-    model=dataclasses.replace(BASE.model, num_layers=3, first_k_dense=1, mlp_dim=32),
-    moe=dataclasses.replace(BASE.moe, num_shared_experts=1, shared_mlp_dim=16),
-)
+from tests.layouts import BASE, DENSE, assert_leaves_close_in_norm, planned, with_plan
 
 
 def _ring(config, chunks: int = 1):

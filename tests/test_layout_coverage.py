@@ -11,16 +11,12 @@ import jax
 import numpy as np
 import pytest
 
-from tests.layouts import BASE, assert_trees_close, planned, reference, with_plan
+from tests.layouts import BASE, DENSE, assert_trees_close, planned, reference, with_plan
 from tests.test_parallel import _assert_first_step_matches
 
-# A dense first layer (model.mlp_dim) and a shared expert in every MoE layer.
-DENSE = dataclasses.replace(
-    BASE,
-    model=dataclasses.replace(BASE.model, num_layers=3, first_k_dense=1, mlp_dim=32),
-    moe=dataclasses.replace(BASE.moe, num_shared_experts=1, shared_mlp_dim=16),
-)
-DENSE_PLANS = [("dp", "ep_a2a"), ("fsdp", "ep_ag"), ("tp", "etp"), ("sp", "ep_etp")]
+# Every attention and every expert layout once; tp+ep_etp and sp+ep_a2a are also the
+# plain programs of test_collective_matmul.py (the session's compilation cache shares them).
+DENSE_PLANS = [("dp", "etp"), ("fsdp", "ep_ag"), ("tp", "ep_etp"), ("sp", "ep_a2a")]
 
 
 @pytest.mark.parametrize("attention,experts", DENSE_PLANS)
