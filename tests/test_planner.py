@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 import runpy
 import subprocess
-import sys
 from functools import cache
 from pathlib import Path
 
@@ -21,6 +19,8 @@ from moe_jax.parallel import registry
 from moe_jax.plan import cost_model, hardware, op_costs, paper_modes, paper_table, planner, schedule
 from moe_jax.plan.cost_model import make_plan
 from moe_jax.plan.op_costs import Link
+from tests import warm as warm_commands
+from tests.commands import subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
 H800 = hardware.get("h800")
@@ -434,9 +434,10 @@ def test_choose_plan_returns_trainer_settings():
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    command = [sys.executable, "-m", "moe_jax.plan", *args]
-    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env)
+    """`python -m moe_jax.plan ARGS`, forked from the warm interpreter (`tests.warm`; the
+    real command line is proven by tests/test_bad_inputs.py)."""
+    env = subprocess_env(JAX_PLATFORMS="cpu")
+    return warm_commands.run(ROOT, ["-m", "moe_jax.plan", *args], env, timeout=300)
 
 
 @pytest.mark.parametrize(
