@@ -140,11 +140,13 @@ def main() -> None:
     batches = pipeline.make_iterator(config, "train", np.arange(config.train.batch_size))
     recording, _ = init_state(config, Recording())
     plain, _ = init_state(config, SINGLE_DEVICE)
+    # One program per graph (run op by op, each batch's step took seconds on a CPU).
+    step = jax.jit(gradients, static_argnums=(1, 3))
     shards = []
     for d in range(DEVICES):  # device d's batch: the d-th next one
         batch = {k: jnp.asarray(v) for k, v in next(batches).items()}
         graphdef = recording if d == 0 else plain
-        _, grads = gradients(state, graphdef, batch, config)
+        _, grads = step(state, graphdef, batch, config)
         shards.append(np.concatenate([np.ravel(g) for g in jax.tree.leaves(grads)]))
     jax.effects_barrier()
     tokens_2d = np.concatenate([t.reshape(-1, t.shape[-1]) for t in TOKENS])
