@@ -77,7 +77,10 @@ def _execute(path: pathlib.Path, report_cell: str, tmp_path, monkeypatch, **env:
 
     nb = nbformat.read(path, as_version=4)
     nb.cells.append(nbformat.v4.new_code_cell(report_cell))
-    env = subprocess_env(JAX_PLATFORMS="cpu", IPYTHONDIR=str(tmp_path / "ipython"), **env)
+    # XLA_FLAGS as a newcomer has them (none): the notebooks train at XLA's own level.
+    env = subprocess_env(
+        JAX_PLATFORMS="cpu", IPYTHONDIR=str(tmp_path / "ipython"), XLA_FLAGS="", **env
+    )
     client = NotebookClient(
         nb,
         timeout=600,
