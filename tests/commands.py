@@ -23,6 +23,17 @@ COMMANDS = {
     "evaluate": ["-m", "moe_jax.evaluate"],
 }
 CONFIG_COMMANDS = ("train", "plan", "comm_report")  # those that take --config flags
+# The tiny model of the command-line tests (one CPU device, batch 4).
+TINY = [
+    "--config.model.embed_dim=32",
+    "--config.model.head_dim=8",
+    "--config.model.mlp_dim=64",
+    "--config.moe.expert_mlp_dim=32",
+    "--config.train.batch_size=4",
+    "--config.train.seq_len=32",
+    "--config.train.eval_batches=1",
+    "--config.train.log_every=1",
+]
 
 
 # Every test program, in the test process and in each child it starts, is compiled at

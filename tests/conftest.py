@@ -56,3 +56,12 @@ def single_process_run(tmp_path_factory):
     settings = {**multihost.MODEL, **multihost.SAVED_PLAN}
     multihost.train(workdir, multihost.flags(settings, multihost.STEPS + multihost.MORE_STEPS))
     return workdir
+
+
+@pytest.fixture(scope="session")
+def bad_input_run(tmp_path_factory):
+    """A finished TINY run with checkpoints 2 and 4 that bad-input cases copy
+    (`tests/bad_inputs.py`), trained once per worker by the real command."""
+    from tests import bad_inputs
+
+    return bad_inputs.train_template(tmp_path_factory.mktemp("trained") / "run")

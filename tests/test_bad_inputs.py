@@ -1,78 +1,29 @@
-"""Bad input on the five real command lines, typed as a user types them and run from
-outside the repository: `moe_jax.train`, `moe_jax.plan`, `moe_jax.tools.comm_report`,
-`moe_jax.data.prepare` and `launch/local.py`.
-
-Every case must end with a non-zero exit status, no traceback on stderr, and a last
-stderr line that is one `error:` line naming the setting or path at fault; and every
-file under the directory it ran in (workdirs, data, configs) must be byte-identical
-afterwards, except damaged checkpoints that the run moved to `checkpoints-damaged/`.
-
-The cases of `REAL` (some of every command) run as real subprocesses, proving the
-command line itself; the others run the same command forked from a warm interpreter
-(`tests.warm`), which spares each case Python's start and the imports.
-"""
+"""Bad input on the eight command lines (the rules: `tests/bad_inputs.py`): flag and
+config errors, the workdir, resuming, data, settings, `plan`, `comm_report`, `prepare`,
+`launch/local.py`, `sample`, `evaluate` and `convert`."""
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import json
 import os
-import shutil
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from moe_jax import workdir as workdir_lib
-from moe_jax.data import prepare
 from moe_jax.data.token_files import write_meta, write_split
-from tests.commands import COMMANDS, run_command
-from tests.small_disk import small_disk
-from tests.test_trainer import ROOT, TINY, _snapshot
-
-TRAINED = [*TINY, "--config.train.eval_every=0", "--config.train.checkpoint_every=2"]
-TRAINED_STEPS = 4  # checkpoints 2 and 4
-
-
-class Place:
-    """The directory a case runs in, and what its setup may put there."""
-
-    def __init__(self, root: Path, template: Path, stack: contextlib.ExitStack):
-        self.root, self._template, self.stack = root, template, stack
-
-    def file(self, name: str = "blocker", text: str = "a user's file\n") -> Path:
-        (self.root / name).write_text(text)
-        return self.root / name
-
-    def trained(self) -> Path:
-        """A finished run (checkpoints 2 and 4) of the TINY model in `run/`."""
-        shutil.copytree(self._template, self.root / "run", symlinks=True)
-        return self.root / "run"
-
-    def prepared(self, name: str = "data") -> Path:
-        text = self.root / "text.txt"
-        text.write_text("".join(f"document {i}: the quick brown fox.\n\n" for i in range(300)))
-        assert prepare.main(["--input", str(text), "--output", str(self.root / name)]) == 0
-        return self.root / name
-
-    def small_disk(self, name: str = "disk", size: str = "1m", read_only: bool = False) -> Path:
-        return self.stack.enter_context(small_disk(self.root / name, size, read_only))
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    name: str
-    command: str
-    args: tuple[str, ...]  # `{root}` is the directory the case runs in
-    expect: tuple[str, ...]  # all in the last stderr line
-    setup: Callable[[Place], object] | None = None
-    moved: tuple[int, ...] = ()  # damaged checkpoints the run moves aside
-
-
-def _c(name, command, args, *expect, setup=None, moved=()) -> Case:
-    return Case(name, command, tuple(args), expect, setup, moved)
+from tests.bad_inputs import (
+    TOKENS,
+    TRAINED,
+    WORKDIR,
+    Case,
+    Place,
+    check,
+    names,
+)
+from tests.bad_inputs import case as _c
+from tests.commands import COMMANDS, ROOT, TINY
 
 
 def _truncate_newest_data_file(step_dir: Path) -> None:
@@ -123,8 +74,6 @@ def _truncated_split(place: Place) -> None:
     split.write_bytes(split.read_bytes()[:-3])
 
 
-TOKENS = ["--config.data.source=tokens", "--config.data.path={root}/data"]
-WORKDIR = "--workdir={root}/run"
 SHARED_FLAGS = [  # every absl command: a mistyped or unknown setting, a missing config
     ("trian_section", ["--config.trian.steps=1"], "unknown setting trian.steps", "train.steps?"),
     ("stepz_key", ["--config.train.stepz=1"], "unknown setting train.stepz", "train.steps?"),
@@ -519,28 +468,6 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def template(tmp_path_factory) -> Path:
-    """A finished TINY run with checkpoints 2 and 4, trained once by the real command."""
-    run = tmp_path_factory.mktemp("trained") / "run"
-    args = [*TRAINED, f"--config.train.steps={TRAINED_STEPS}", f"--workdir={run}"]
-    done = run_command(ROOT, "train", args)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return run
-
-
-def _moved_aside(before: dict[str, str], steps: tuple[int, ...]) -> dict[str, str]:
-    """`before` with the checkpoints of `steps` under run/checkpoints-damaged/."""
-    moved = {}
-    for path, digest in before.items():
-        for step in steps:
-            prefix = f"run/checkpoints/{step}/"
-            if path.startswith(prefix):
-                path = f"run/checkpoints-damaged/{step}/" + path[len(prefix) :]
-        moved[path] = digest
-    return moved
-
-
 # Real subprocesses: for every command a flag error and an error of its own.
 REAL = {
     "train-trian_section",
@@ -568,20 +495,6 @@ def test_there_are_enough_cases():
     assert {case.command for case in real} == set(COMMANDS)
 
 
-@pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
-def test_bad_input_is_one_line_and_changes_nothing(tmp_path: Path, template, case: Case):
-    with contextlib.ExitStack() as stack:
-        place = Place(tmp_path, template, stack)
-        if case.setup:
-            case.setup(place)
-        before = _snapshot(tmp_path)
-        args = [arg.replace("{root}", str(tmp_path)) for arg in case.args]
-        done = run_command(tmp_path, case.command, args, warm=case.name not in REAL)
-        assert done.returncode != 0, done.stdout[-2000:]
-        first = done.stderr.find("Traceback")
-        assert first < 0, done.stderr[:600] + " ... " + done.stderr[first : first + 1500]
-        last = done.stderr.strip().splitlines()[-1]
-        assert "error: " in last, done.stderr[-2000:]
-        for word in case.expect:
-            assert word.replace("{root}", str(tmp_path)) in last, last
-        assert _snapshot(tmp_path) == _moved_aside(before, case.moved)
+@pytest.mark.parametrize("case", CASES, ids=names(CASES))
+def test_bad_input_is_one_line_and_changes_nothing(tmp_path: Path, bad_input_run: Path, case: Case):
+    check(tmp_path, bad_input_run, case, real=case.name in REAL)

@@ -4,7 +4,6 @@ signals, bad input, non-finite losses, profiling."""
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import re
@@ -28,19 +27,10 @@ from moe_jax.data.token_files import write_meta, write_split
 from moe_jax.metrics import read_rows
 from moe_jax.train_state import init_state
 from tests import warm as warm_commands
-from tests.commands import subprocess_env
+from tests.bad_inputs import snapshot as _snapshot
+from tests.commands import TINY, subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = [
-    "--config.model.embed_dim=32",
-    "--config.model.head_dim=8",
-    "--config.model.mlp_dim=64",
-    "--config.moe.expert_mlp_dim=32",
-    "--config.train.batch_size=4",
-    "--config.train.seq_len=32",
-    "--config.train.eval_batches=1",
-    "--config.train.log_every=1",
-]
 
 
 def tiny_config(**train) -> config_lib.Config:
@@ -86,15 +76,6 @@ def _start(cmd: list[str]) -> subprocess.Popen:
     return subprocess.Popen(
         cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
-
-
-def _snapshot(directory: Path) -> dict[str, str]:
-    """Every file below `directory` with a hash of its bytes."""
-    return {
-        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(directory.rglob("*"))
-        if p.is_file()
-    }
 
 
 def _wait_for(predicate, timeout: float, proc: subprocess.Popen | None = None) -> None:
