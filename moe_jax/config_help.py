@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from typing import Any
 
 from moe_jax import config as config_lib
 
@@ -206,13 +207,17 @@ MEANINGS: dict[str, str] = {
 }
 
 
-def rows() -> list[tuple[str, object, str]]:
-    """(setting, default, meaning) of every setting, in the config's order."""
+def rows(values: dict[str, Any] | None = None) -> list[tuple[str, object, str]]:
+    """(setting, value, meaning) of every setting, in the config's order: the value
+    `values` (a config file's settings, as a dict of sections) gives, else the default."""
     rows = []
     for section, cls in config_lib.SECTIONS.items():
+        given = (values or {}).get(section)
+        given = given if isinstance(given, dict) else {}
         for field in dataclasses.fields(cls):
             name = f"{section}.{field.name}"
-            rows.append((name, getattr(cls(), field.name), MEANINGS.get(name, "")))
+            value = given.get(field.name, getattr(cls(), field.name))
+            rows.append((name, value, MEANINGS.get(name, "")))
     return rows
 
 
@@ -223,12 +228,14 @@ def markdown() -> str:
     return "\n".join(lines)
 
 
-def text() -> str:
-    """The same, for a terminal (`--config_help`)."""
-    width = max(len(name) for name, _, _ in rows())
+def text(values: dict[str, Any] | None = None) -> str:
+    """The same, for a terminal (`--config_help`), with the values of `values` (the
+    given config file and overrides) where it has them."""
+    table = rows(values)
+    width = max(len(name) for name, _, _ in table)
     return "\n".join(
-        f"{name:<{width}}  {default!r:<12} {meaning.replace('`', '')}"
-        for name, default, meaning in rows()
+        f"{name:<{width}}  {value!r:<12} {meaning.replace('`', '')}"
+        for name, value, meaning in table
     )
 
 
