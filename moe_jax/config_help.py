@@ -11,7 +11,9 @@ from typing import Any
 from moe_jax import config as config_lib
 
 MEANINGS: dict[str, str] = {
-    "model.vocab_size": "token ids; the byte tokenizer needs 259 (256 bytes, BOS, EOS, PAD)",
+    "model.vocab_size": (
+        "token ids, at least 2; the byte tokenizer needs 259 (256 bytes, BOS, EOS, PAD)"
+    ),
     "model.num_layers": "transformer blocks, dense and MoE together",
     "model.embed_dim": "width of the residual stream",
     "model.num_heads": "attention query heads",
@@ -82,7 +84,7 @@ MEANINGS: dict[str, str] = {
     "train.b2": "AdamW second-moment decay",
     "train.eps": "AdamW epsilon",
     "train.grad_clip": "global-norm gradient clipping; 0 disables it",
-    "train.seed": "seed of the initialisation, data order and synthetic data",
+    "train.seed": "seed of the initialisation, data order and synthetic data; in [0, 2**32)",
     "train.log_every": "steps between logged metrics",
     "train.eval_every": "steps between validations; 0 evaluates only at the end",
     "train.eval_batches": "validation batches per evaluation",
@@ -116,7 +118,10 @@ MEANINGS: dict[str, str] = {
         "under 256 MiB (1 for small models)"
     ),
     "data.source": "`stdlib` (embedded corpus), `tokens` (prepared files) or `synthetic`",
-    "data.path": "directory written by `python -m moe_jax.data.prepare` (`source=tokens`)",
+    "data.path": (
+        "directory written by `python -m moe_jax.data.prepare`; only with `source=tokens` "
+        "(refused with any other source, which would ignore it)"
+    ),
     "data.val_fraction": "share of stdlib files held out for validation",
     "parallel.layout": (
         "`manual`: the settings below; `auto`: the planner (`python -m moe_jax.plan`) chooses "
@@ -177,7 +182,8 @@ MEANINGS: dict[str, str] = {
     ),
     "parallel.microbatches": (
         "M: micro-batches per step through the pipeline, a multiple of `stages`; the step's "
-        "accumulation (`train.grad_accum` stays 1); bubble (S-1)/(M R + S - 1)"
+        "accumulation (`train.grad_accum` stays 1); bubble (S-1)/(M R + S - 1); 1 without a "
+        "pipeline (`train.grad_accum` splits that step)"
     ),
     "parallel.repeats": (
         "R: circular pipeline: each stage holds R non-adjacent groups of layers (group r S + s "
@@ -203,7 +209,10 @@ MEANINGS: dict[str, str] = {
         "`ep_etp` only: devices that split each expert's width (the other intra / etp own whole "
         "expert groups)"
     ),
-    "profile.steps": "`'start,stop'`: trace steps [start, stop) with `jax.profiler`; empty: off",
+    "profile.steps": (
+        "`'start,stop'`: trace steps [start, stop) with `jax.profiler`, inside the run "
+        "(stop <= `train.steps` + 1); empty: off"
+    ),
 }
 
 
