@@ -296,7 +296,12 @@ def validate(config: Config) -> None:
     )
     _positive(m, "model", "num_layers", "embed_dim", "num_heads")
     _positive(m, "model", "num_kv_heads", "head_dim", "mlp_dim", "moe_every", "norm_eps")
-    _positive(m, "model", "rope_theta")
+    _check(
+        m.rope_theta > 1,
+        "model.rope_theta",
+        m.rope_theta,
+        "must be > 1 (the base of the rotary wavelengths; 1 makes every frequency equal)",
+    )
     _check(
         m.num_heads % m.num_kv_heads == 0,
         "model.num_heads",

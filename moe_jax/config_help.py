@@ -23,7 +23,7 @@ MEANINGS: dict[str, str] = {
     "model.first_k_dense": "leading layers that are dense",
     "model.moe_every": "after the dense prefix, every `moe_every`-th layer is MoE",
     "model.tie_embeddings": "the output head reuses the embedding table",
-    "model.rope_theta": "base of the rotary position embedding",
+    "model.rope_theta": "base of the rotary position embedding (> 1)",
     "model.norm_eps": "epsilon of every RMSNorm",
     "model.qkv_bias": "biases on the query, key and value projections (Qwen2, Qwen2-MoE)",
     "model.qk_norm": (
@@ -61,7 +61,7 @@ MEANINGS: dict[str, str] = {
         "tokamax package's grouped GEMM: `pip install tokamax==0.0.17`), `capacity` or `dense` "
         "(docs/model.md)"
     ),
-    "moe.tile_size": "rows per tile of the `tiled` grouped matmul; 0 = auto",
+    "moe.tile_size": "rows per tile of the `tiled` grouped matmul (`impl` tiled or auto); 0 = auto",
     "moe.aux_loss_coef": "weight of the batch load-balancing loss (Switch)",
     "moe.seq_aux_loss_coef": "weight of the per-sequence load-balancing loss (DeepSeek-V3)",
     "moe.z_loss_coef": "weight of the router z-loss (ST-MoE)",
@@ -111,7 +111,7 @@ MEANINGS: dict[str, str] = {
         "later with `wandb sync`) or `online`; needs the wandb package, never installed by "
         "moe_jax"
     ),
-    "train.wandb_project": "the W&B project of `train.wandb`",
+    "train.wandb_project": "the W&B project of `train.wandb` (not empty when it is on)",
     "train.loss_chunks": (
         "chunks of the sequence the loss and its gradient run over, so float32 [batch, seq, vocab] "
         "logits never exist; 0 picks the fewest power-of-two chunks keeping one chunk's logits "

@@ -64,6 +64,20 @@ def check_meaningful(config: Config) -> None:
         "micro-batches of a pipeline (parallel.stages > 1); without one, "
         "train.grad_accum sets the micro-batches of a step",
     )
+    e = config.moe
+    check(
+        not e.tile_size or e.impl in ("auto", "tiled"),
+        "moe.tile_size",
+        e.tile_size,
+        f"only moe.impl='tiled' (or 'auto', which picks it on CPU) uses it (moe.impl={e.impl!r} "
+        "here): leave it 0",
+    )
+    check(
+        t.wandb == "off" or bool(t.wandb_project),
+        "train.wandb_project",
+        t.wandb_project,
+        f"train.wandb={t.wandb!r} logs to a W&B project: name one",
+    )
     check(0 <= t.seed < SEED_LIMIT, "train.seed", t.seed, f"must be in [0, 2**32 = {SEED_LIMIT})")
     window = profile_steps(config.profile.steps)
     check(

@@ -74,6 +74,13 @@ BAD_CONFIGS = [
     ("microbatches_without_pipeline", {"parallel.microbatches": 4}, "parallel.microbatches"),
     ("seed_negative", {"train.seed": -1}, "train.seed"),
     ("seed_beyond_32_bits", {"train.seed": 2**32}, "train.seed"),
+    ("rope_theta_one", {"model.rope_theta": 1.0}, "model.rope_theta"),
+    ("tile_size_without_tiles", {"moe.impl": "ragged_dot", "moe.tile_size": 32}, "moe.tile_size"),
+    (
+        "wandb_without_project",
+        {"train.wandb": "offline", "train.wandb_project": ""},
+        "train.wandb_project",
+    ),
     ("unknown_setting", {"moe.topk": 2}, "moe.topk"),
     ("unknown_model_setting", {"model.hidden_dim": 64}, "model.hidden_dim"),
     ("unknown_section", {"optimizer.lr": 1e-3}, "optimizer"),
@@ -183,6 +190,8 @@ def test_settings_that_make_sense_together_load():
     )
     assert config_lib.profile_steps(config.profile) == (5, 11)
     assert config.data.path == "data/mine" and config.train.seed == 2**32 - 1
+    assert load({"moe": {"impl": "tiled", "tile_size": 32}}).moe.tile(1024) == 32
+    assert load({"model": {"rope_theta": 1.5}}).model.rope_theta == 1.5
     piped = load({"parallel": {"stages": 2, "microbatches": 4}})
     assert piped.micro_batches == 4
     auto = load({"parallel": {"layout": "auto", "microbatches": 4}})  # the planner's to set
