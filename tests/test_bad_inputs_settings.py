@@ -1,9 +1,9 @@
 """Bad settings through the front door that `train`, `plan` and `comm_report` share
 (`moe_jax.cli` and `moe_jax.config.load`; the rules: `tests/bad_inputs.py`): floats
 that are not finite, counts and windows that make no sense, a setting another setting
-turns off, and a config file whose `get_config()` gives no config. Each is refused in
-one line before anything compiles or is written (a fresh workdir is never created, a
-trained one stays byte-identical)."""
+turns off, a config file whose `get_config()` gives no config, and `convert`'s shard
+size. Each is refused in one line before anything compiles or is written (a fresh
+workdir is never created, a trained one stays byte-identical)."""
 
 from __future__ import annotations
 
@@ -93,6 +93,13 @@ CASES = [
             _c(f"{command}_config_returns_an_int", command, [MINE],
                "get_config() returned an int, not a ConfigDict", setup=_returns("7")),
         )
+    ),
+    # convert export: a shard size of zero bytes (or not finite) is no size
+    *(
+        _c(f"convert_shard_gb_{name}", "convert",
+           ["export", WORKDIR, "--hf={root}/hf", f"--shard_gb={value}"],
+           f"--shard_gb={shown}: must be a finite size in GiB", setup=Place.trained)
+        for name, value, shown in (("zero", "0", "0.0"), ("inf", "inf", "inf"))
     ),
     # launch/local.py checks the config flags with the same code before starting anything
     _c("launch_config_returns_none", "launch", ["-n", "2", "--", MINE, WORKDIR],
