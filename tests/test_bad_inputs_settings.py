@@ -102,6 +102,10 @@ CASES = [
                "get_config() returned an int, not a ConfigDict", setup=_returns("7")),
         )
     ),
+    _c("comm_report_config_help_of_no_config", "comm_report", [MINE, "--config_help"],
+       "get_config() returned None, not a ConfigDict", setup=_returns("None")),
+    _c("plan_config_help_bad_override", "plan", ["--config.train.steps=abc", "--config_help"],
+       "bad --config override", "--config.train.steps=abc"),
     # convert export: a shard size of zero bytes (or not finite) is no size
     *(
         _c(f"convert_shard_gb_{name}", "convert",
