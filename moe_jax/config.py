@@ -285,7 +285,9 @@ def _positive(section: Any, prefix: str, *fields: str) -> None:
 
 
 def validate(config: Config) -> None:
-    """Raises a one-line ValueError for the first inconsistent setting."""
+    """Raises a one-line ValueError for the first inconsistent setting: each setting's
+    own range here; the rules over the whole config (every float finite, no setting
+    another turns off, no window beyond the run) in `moe_jax.config_rules`."""
     config_rules.check_finite(config)
     m, e, t = config.model, config.moe, config.train
     _check(
