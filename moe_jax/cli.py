@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
@@ -26,6 +27,10 @@ from moe_jax import config_help, quiet
 # directory (`pip install -e .` keeps the package inside the repository).
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 DEFAULT_CONFIG = CONFIGS / "default.py"
+CONFIG_HELP = (
+    "Config file (default: configs/default.py); --config.<section>.<key>=VALUE overrides "
+    "one setting; --config_help lists every setting with its value and meaning, and exits."
+)
 
 
 def define_config_flag(argv: list[str] | None = None):
@@ -33,15 +38,37 @@ def define_config_flag(argv: list[str] | None = None):
 
     ml_collections reads the file and applies the `--config.*` overrides in `argv`
     (default: sys.argv) as soon as the flag is defined, so they are checked first.
-    `--config_help` prints every setting with its default and meaning, and exits."""
+    `--config_help` prints every setting with its value in that file (overrides
+    applied) and its meaning, and exits."""
     argv = sys.argv if argv is None else argv
-    if "--config_help" in argv:  # every setting, its default and meaning; then stop
-        print(config_help.text())
+    if "--config_help" in argv:  # every setting, its value and meaning; then stop
+        print(config_help.text(given_values(argv)))
         raise SystemExit(0)
     problem = check_config_args(argv)
     if problem:
         raise SystemExit(f"error: {problem}")
-    return config_flags.DEFINE_config_file("config", str(DEFAULT_CONFIG), "Config file.")
+    holder = config_flags.DEFINE_config_file("config", str(DEFAULT_CONFIG), CONFIG_HELP)
+    # `--help` lists the main module's flags: --config (and its --config_help) among them.
+    flags.FLAGS.register_key_flag_for_module(sys.argv[0], flags.FLAGS["config"])
+    return holder
+
+
+def given_values(argv: list[str]) -> dict[str, Any]:
+    """The settings of `--config=FILE` (default: configs/default.py) with the
+    `--config.*` overrides in `argv` applied, as a plain dict, unvalidated: what
+    `--config_help` shows. One line for a file or override that gives none."""
+    problem = check_config_args(argv)
+    if problem:
+        raise SystemExit(f"error: {problem}")
+    given = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", str(DEFAULT_CONFIG), flag_values=given, sys_argv=argv)
+    try:
+        given(argv, known_only=True)
+        values = given.config
+        return values.to_dict() if hasattr(values, "to_dict") else dict(values)
+    except (flags.Error, KeyError, AttributeError, TypeError, ValueError) as error:
+        message = str(error).strip("'\"").splitlines()[0]
+        raise SystemExit(f"error: bad --config override: {message}") from None
 
 
 def _config_file(argv: list[str]) -> str | None:
@@ -85,9 +112,13 @@ def _config_file_problem(name: str) -> str | None:
     if not callable(get_config):
         return "it defines no get_config()"
     try:
-        get_config(*([argument] if argument else []))
+        made = get_config(*([argument] if argument else []))
     except Exception as error:
         return f"get_config() raised {_one_line(error)}"
+    if not isinstance(made, (dict, ml_collections.ConfigDict)):
+        kind = type(made).__name__
+        what = "None" if made is None else f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}"
+        return f"get_config() returned {what}, not a ConfigDict"
     return None
 
 

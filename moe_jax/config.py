@@ -15,7 +15,7 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING, Any
 
-from moe_jax import names
+from moe_jax import config_rules
 from moe_jax.kernels import requirements
 
 if TYPE_CHECKING:
@@ -275,23 +275,35 @@ def _check_type(setting: str, value: Any, default: Any) -> None:
     _check(ok, setting, value, f"must be of type {expected.__name__}")
 
 
-def _check(ok: bool, setting: str, value: Any, valid: str) -> None:
-    if not ok:
-        raise ValueError(f"{setting}={value!r} is invalid: {valid}")
+_check = config_rules.check
 
 
-def _positive(section: Any, prefix: str, *names: str) -> None:
-    for name in names:
+def _positive(section: Any, prefix: str, *fields: str) -> None:
+    for name in fields:
         value = getattr(section, name)
         _check(value > 0, f"{prefix}.{name}", value, "must be > 0")
 
 
 def validate(config: Config) -> None:
-    """Raises a one-line ValueError for the first inconsistent setting."""
+    """Raises a one-line ValueError for the first inconsistent setting: each setting's
+    own range here; the rules over the whole config (every float finite, no setting
+    another turns off, no window beyond the run) in `moe_jax.config_rules`."""
+    config_rules.check_finite(config)
     m, e, t = config.model, config.moe, config.train
-    _positive(m, "model", "vocab_size", "num_layers", "embed_dim", "num_heads")
+    _check(
+        m.vocab_size >= 2,
+        "model.vocab_size",
+        m.vocab_size,
+        "must be >= 2: one token id leaves nothing to predict",
+    )
+    _positive(m, "model", "num_layers", "embed_dim", "num_heads")
     _positive(m, "model", "num_kv_heads", "head_dim", "mlp_dim", "moe_every", "norm_eps")
-    _positive(m, "model", "rope_theta")
+    _check(
+        m.rope_theta > 1,
+        "model.rope_theta",
+        m.rope_theta,
+        "must be > 1 (the base of the rotary wavelengths; 1 makes every frequency equal)",
+    )
     _check(
         m.num_heads % m.num_kv_heads == 0,
         "model.num_heads",
@@ -423,8 +435,8 @@ def validate(config: Config) -> None:
         "data.source='tokens' needs the directory written by moe_jax.data.prepare",
     )
     _check(0 < d.val_fraction < 1, "data.val_fraction", d.val_fraction, "must be in (0, 1)")
-    _validate_parallel(config.parallel)
-    profile_steps(config.profile)
+    config_rules.validate_parallel(config.parallel)
+    config_rules.check_meaningful(config)
 
 
 def _validate_attention_impl(m: ModelConfig) -> None:
@@ -441,48 +453,6 @@ def _validate_moe_impl(e: MoEConfig) -> None:
         raise ValueError(requirements.TOKAMAX_MISSING)
 
 
-def _validate_parallel(p: ParallelConfig) -> None:
-    """Layout and GPU names from `moe_jax.names` (the registry's and the presets'
-    names, without importing them)."""
-    attention, experts = names.ATTENTION_LAYOUTS, (*names.EXPERT_LAYOUTS, "auto")
-    gpus = ("", *names.GPU_PRESETS)
-    _positive(p, "parallel", "intra")
-    _check(p.data >= 0, "parallel.data", p.data, "must be >= 0 (0 uses every device)")
-    _check(p.attention in attention, "parallel.attention", p.attention, f"valid: {attention}")
-    _check(p.experts in experts, "parallel.experts", p.experts, f"valid: {experts}")
-    _positive(p, "parallel", "etp")
-    _positive(p, "parallel", "overlap_chunks")
-    _positive(p, "parallel", "stages", "microbatches", "repeats")
-    _check(p.layout in ("manual", "auto"), "parallel.layout", p.layout, "valid: manual or auto")
-    _check(
-        p.token_dtype in ("native", "fp8"),
-        "parallel.token_dtype",
-        p.token_dtype,
-        "valid: native or fp8",
-    )
-    _check(
-        p.grad_exchange in ("fp32", "bf16_a2a"),
-        "parallel.grad_exchange",
-        p.grad_exchange,
-        "valid: fp32 or bf16_a2a",
-    )
-    _check(p.gpu.lower() in gpus, "parallel.gpu", p.gpu, f"valid: {gpus}")
-    _check(p.zero in (0, 1), "parallel.zero", p.zero, "valid: 0 or 1 (fsdp covers weights)")
-    _check(p.ag_threshold > 0, "parallel.ag_threshold", p.ag_threshold, "must be > 0")
-    _check(
-        0 <= p.a2a_buffer_factor < math.inf,
-        "parallel.a2a_buffer_factor",
-        p.a2a_buffer_factor,
-        "must be finite and >= 0 (0: worst-case all-to-all buffers, exactly dropless)",
-    )
-
-
 def profile_steps(profile: ProfileConfig) -> tuple[int, int] | None:
     """The [start, stop) steps to trace, or None when profiling is off."""
-    if not profile.steps:
-        return None
-    parts = profile.steps.split(",")
-    ok = len(parts) == 2 and all(p.strip().isdigit() for p in parts)
-    ok = ok and 0 < int(parts[0]) < int(parts[1])
-    _check(ok, "profile.steps", profile.steps, "must be 'start,stop' with 0 < start < stop")
-    return int(parts[0]), int(parts[1])
+    return config_rules.profile_steps(profile.steps)

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from typing import Any
 
 from moe_jax import config as config_lib
 
 MEANINGS: dict[str, str] = {
-    "model.vocab_size": "token ids; the byte tokenizer needs 259 (256 bytes, BOS, EOS, PAD)",
+    "model.vocab_size": (
+        "token ids, at least 2; the byte tokenizer needs 259 (256 bytes, BOS, EOS, PAD)"
+    ),
     "model.num_layers": "transformer blocks, dense and MoE together",
     "model.embed_dim": "width of the residual stream",
     "model.num_heads": "attention query heads",
@@ -20,7 +23,7 @@ MEANINGS: dict[str, str] = {
     "model.first_k_dense": "leading layers that are dense",
     "model.moe_every": "after the dense prefix, every `moe_every`-th layer is MoE",
     "model.tie_embeddings": "the output head reuses the embedding table",
-    "model.rope_theta": "base of the rotary position embedding",
+    "model.rope_theta": "base of the rotary position embedding (> 1)",
     "model.norm_eps": "epsilon of every RMSNorm",
     "model.qkv_bias": "biases on the query, key and value projections (Qwen2, Qwen2-MoE)",
     "model.qk_norm": (
@@ -58,7 +61,7 @@ MEANINGS: dict[str, str] = {
         "tokamax package's grouped GEMM: `pip install tokamax==0.0.17`), `capacity` or `dense` "
         "(docs/model.md)"
     ),
-    "moe.tile_size": "rows per tile of the `tiled` grouped matmul; 0 = auto",
+    "moe.tile_size": "rows per tile of the `tiled` grouped matmul (`impl` tiled or auto); 0 = auto",
     "moe.aux_loss_coef": "weight of the batch load-balancing loss (Switch)",
     "moe.seq_aux_loss_coef": "weight of the per-sequence load-balancing loss (DeepSeek-V3)",
     "moe.z_loss_coef": "weight of the router z-loss (ST-MoE)",
@@ -81,7 +84,7 @@ MEANINGS: dict[str, str] = {
     "train.b2": "AdamW second-moment decay",
     "train.eps": "AdamW epsilon",
     "train.grad_clip": "global-norm gradient clipping; 0 disables it",
-    "train.seed": "seed of the initialisation, data order and synthetic data",
+    "train.seed": "seed of the initialisation, data order and synthetic data; in [0, 2**32)",
     "train.log_every": "steps between logged metrics",
     "train.eval_every": "steps between validations; 0 evaluates only at the end",
     "train.eval_batches": "validation batches per evaluation",
@@ -108,14 +111,17 @@ MEANINGS: dict[str, str] = {
         "later with `wandb sync`) or `online`; needs the wandb package, never installed by "
         "moe_jax"
     ),
-    "train.wandb_project": "the W&B project of `train.wandb`",
+    "train.wandb_project": "the W&B project of `train.wandb` (not empty when it is on)",
     "train.loss_chunks": (
         "chunks of the sequence the loss and its gradient run over, so float32 [batch, seq, vocab] "
         "logits never exist; 0 picks the fewest power-of-two chunks keeping one chunk's logits "
         "under 256 MiB (1 for small models)"
     ),
     "data.source": "`stdlib` (embedded corpus), `tokens` (prepared files) or `synthetic`",
-    "data.path": "directory written by `python -m moe_jax.data.prepare` (`source=tokens`)",
+    "data.path": (
+        "directory written by `python -m moe_jax.data.prepare`; only with `source=tokens` "
+        "(refused with any other source, which would ignore it)"
+    ),
     "data.val_fraction": "share of stdlib files held out for validation",
     "parallel.layout": (
         "`manual`: the settings below; `auto`: the planner (`python -m moe_jax.plan`) chooses "
@@ -176,7 +182,8 @@ MEANINGS: dict[str, str] = {
     ),
     "parallel.microbatches": (
         "M: micro-batches per step through the pipeline, a multiple of `stages`; the step's "
-        "accumulation (`train.grad_accum` stays 1); bubble (S-1)/(M R + S - 1)"
+        "accumulation (`train.grad_accum` stays 1); bubble (S-1)/(M R + S - 1); 1 without a "
+        "pipeline (`train.grad_accum` splits that step)"
     ),
     "parallel.repeats": (
         "R: circular pipeline: each stage holds R non-adjacent groups of layers (group r S + s "
@@ -202,17 +209,24 @@ MEANINGS: dict[str, str] = {
         "`ep_etp` only: devices that split each expert's width (the other intra / etp own whole "
         "expert groups)"
     ),
-    "profile.steps": "`'start,stop'`: trace steps [start, stop) with `jax.profiler`; empty: off",
+    "profile.steps": (
+        "`'start,stop'`: trace steps [start, stop) with `jax.profiler`, inside the run "
+        "(stop <= `train.steps` + 1); empty: off"
+    ),
 }
 
 
-def rows() -> list[tuple[str, object, str]]:
-    """(setting, default, meaning) of every setting, in the config's order."""
+def rows(values: dict[str, Any] | None = None) -> list[tuple[str, object, str]]:
+    """(setting, value, meaning) of every setting, in the config's order: the value
+    `values` (a config file's settings, as a dict of sections) gives, else the default."""
     rows = []
     for section, cls in config_lib.SECTIONS.items():
+        given = (values or {}).get(section)
+        given = given if isinstance(given, dict) else {}
         for field in dataclasses.fields(cls):
             name = f"{section}.{field.name}"
-            rows.append((name, getattr(cls(), field.name), MEANINGS.get(name, "")))
+            value = given.get(field.name, getattr(cls(), field.name))
+            rows.append((name, value, MEANINGS.get(name, "")))
     return rows
 
 
@@ -223,12 +237,14 @@ def markdown() -> str:
     return "\n".join(lines)
 
 
-def text() -> str:
-    """The same, for a terminal (`--config_help`)."""
-    width = max(len(name) for name, _, _ in rows())
+def text(values: dict[str, Any] | None = None) -> str:
+    """The same, for a terminal (`--config_help`), with the values of `values` (the
+    given config file and overrides) where it has them."""
+    table = rows(values)
+    width = max(len(name) for name, _, _ in table)
     return "\n".join(
-        f"{name:<{width}}  {default!r:<12} {meaning.replace('`', '')}"
-        for name, default, meaning in rows()
+        f"{name:<{width}}  {value!r:<12} {meaning.replace('`', '')}"
+        for name, value, meaning in table
     )
 
 

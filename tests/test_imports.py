@@ -199,13 +199,22 @@ def test_config_loads_and_validates_without_jax():
 
 
 @pytest.mark.parametrize(
-    "command, argv",
+    "command, argv, refusal",
     [
-        ("moe_jax.train", ["--config.moe.top_k=99"]),
-        ("moe_jax.convert.__main__", ["export", "--hf=x", "--workdir=y", "--config.moe.top_k=99"]),
+        ("moe_jax.train", ["--config.moe.top_k=99"], "error: moe.top_k=99 is invalid"),
+        (
+            "moe_jax.train",
+            ["--config.train.learning_rate=inf"],
+            "error: train.learning_rate=inf is invalid: must be finite",
+        ),
+        (
+            "moe_jax.convert.__main__",
+            ["export", "--hf=x", "--workdir=y", "--config.moe.top_k=99"],
+            "error: moe.top_k=99 is invalid",
+        ),
     ],
 )
-def test_command_line_refuses_a_bad_setting_before_importing_jax(command, argv):
+def test_command_line_refuses_a_bad_setting_before_importing_jax(command, argv, refusal):
     """A command given a bad setting stops with one `error:` line before jax or flax is
     imported (its `main`, run as `python -m` runs it, in a process that then reports
     what it imported)."""
@@ -225,5 +234,5 @@ def test_command_line_refuses_a_bad_setting_before_importing_jax(command, argv):
     )
     assert result.returncode == 0, result.stderr
     message, loaded = json.loads(result.stdout)
-    assert message.startswith("error: moe.top_k=99 is invalid"), message
+    assert message.startswith(refusal), message
     assert loaded == [], loaded

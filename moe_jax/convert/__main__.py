@@ -11,6 +11,7 @@ devices, data parallel). Exit status: 0 when done, 1 on bad input.
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -27,6 +28,11 @@ _ARCH = flags.DEFINE_string(
 )
 _DTYPE = flags.DEFINE_string("dtype", "float32", "export: dtype of the written tensors.")
 _SHARD_GB = flags.DEFINE_float("shard_gb", 5.0, "export: largest shard file, in GiB.")
+flags.register_validator(
+    "shard_gb",
+    lambda gb: math.isfinite(gb) and gb * 2**30 >= 1,
+    "must be a finite size in GiB, at least one byte (e.g. --shard_gb=5)",
+)
 COMMANDS = ("import", "export")
 
 

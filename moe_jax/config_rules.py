@@ -1,0 +1,140 @@
+"""The rules of `moe_jax.config.validate` that look at the config as a whole: every
+float setting finite, no setting that another setting turns off, no window beyond
+the run, and the parallel section's names and ranges.
+
+Why here: `validate` checks each setting's own range; these rules read several
+settings at once, or every setting of a kind, and kept `config.py` one screenful per
+section. Like `config.py`, this module imports no jax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator
+from typing import Any
+
+from moe_jax import names
+
+# `moe_jax.config`'s Config and ParallelConfig, which import this module: typed `Any`
+# here so that the two modules make no import circle.
+Config = ParallelConfig = Any
+
+SEED_LIMIT = 2**32  # the data pipeline's and jax's seeds are 32-bit
+
+
+def check(ok: bool, setting: str, value: Any, valid: str) -> None:
+    """The one-line error of every rule: the setting, its value, and what is valid."""
+    if not ok:
+        raise ValueError(f"{setting}={value!r} is invalid: {valid}")
+
+
+def float_settings(config: Config) -> Iterator[tuple[str, float]]:
+    """("section.name", value) of every setting whose default is a float (found from
+    the dataclasses, so that a new float setting is covered without a list)."""
+    for section in dataclasses.fields(config):
+        values = getattr(config, section.name)
+        for field in dataclasses.fields(values):
+            if isinstance(field.default, float):
+                yield f"{section.name}.{field.name}", getattr(values, field.name)
+
+
+def check_finite(config: Config) -> None:
+    """inf and nan pass every `> 0` / `>= 0` check, and a learning rate of inf trains
+    a checkpoint of NaN: no float setting means anything when not finite."""
+    for setting, value in float_settings(config):
+        check(math.isfinite(value), setting, value, "must be finite")
+
+
+def check_meaningful(config: Config) -> None:
+    """Settings that another setting turns off, so that the value given would be
+    silently ignored, and windows that lie beyond the run."""
+    d, t, p = config.data, config.train, config.parallel
+    check(
+        not d.path or d.source == "tokens",
+        "data.path",
+        d.path,
+        f"only data.source='tokens' reads it (data.source={d.source!r} here): add "
+        "--config.data.source=tokens, or clear it with --config.data.path=",
+    )
+    check(
+        p.stages > 1 or p.microbatches == 1 or p.layout == "auto",
+        "parallel.microbatches",
+        p.microbatches,
+        "micro-batches of a pipeline (parallel.stages > 1); without one, "
+        "train.grad_accum sets the micro-batches of a step",
+    )
+    e = config.moe
+    check(
+        not e.tile_size or e.impl in ("auto", "tiled"),
+        "moe.tile_size",
+        e.tile_size,
+        f"only moe.impl='tiled' (or 'auto', which picks it on CPU) uses it (moe.impl={e.impl!r} "
+        "here): leave it 0",
+    )
+    check(
+        t.wandb == "off" or bool(t.wandb_project),
+        "train.wandb_project",
+        t.wandb_project,
+        f"train.wandb={t.wandb!r} logs to a W&B project: name one",
+    )
+    check(0 <= t.seed < SEED_LIMIT, "train.seed", t.seed, f"must be in [0, 2**32 = {SEED_LIMIT})")
+    window = profile_steps(config.profile.steps)
+    check(
+        window is None or window[1] <= t.steps + 1,
+        "profile.steps",
+        config.profile.steps,
+        f"the traced steps [start, stop) must lie in the run's steps 1..{t.steps} "
+        f"(train.steps={t.steps}): stop <= {t.steps + 1}",
+    )
+
+
+def profile_steps(steps: str) -> tuple[int, int] | None:
+    """The [start, stop) steps of `profile.steps` to trace, or None when profiling is off."""
+    if not steps:
+        return None
+    parts = steps.split(",")
+    ok = len(parts) == 2 and all(p.strip().isdigit() for p in parts)
+    ok = ok and 0 < int(parts[0]) < int(parts[1])
+    check(ok, "profile.steps", steps, "must be 'start,stop' with 0 < start < stop")
+    return int(parts[0]), int(parts[1])
+
+
+def _positive(section: Any, prefix: str, *fields: str) -> None:
+    for name in fields:
+        value = getattr(section, name)
+        check(value > 0, f"{prefix}.{name}", value, "must be > 0")
+
+
+def validate_parallel(p: ParallelConfig) -> None:
+    """Layout and GPU names from `moe_jax.names` (the registry's and the presets'
+    names, without importing them)."""
+    attention, experts = names.ATTENTION_LAYOUTS, (*names.EXPERT_LAYOUTS, "auto")
+    gpus = ("", *names.GPU_PRESETS)
+    _positive(p, "parallel", "intra", "etp", "overlap_chunks", "stages", "microbatches")
+    _positive(p, "parallel", "repeats")
+    check(p.data >= 0, "parallel.data", p.data, "must be >= 0 (0 uses every device)")
+    check(p.attention in attention, "parallel.attention", p.attention, f"valid: {attention}")
+    check(p.experts in experts, "parallel.experts", p.experts, f"valid: {experts}")
+    check(p.layout in ("manual", "auto"), "parallel.layout", p.layout, "valid: manual or auto")
+    check(
+        p.token_dtype in ("native", "fp8"),
+        "parallel.token_dtype",
+        p.token_dtype,
+        "valid: native or fp8",
+    )
+    check(
+        p.grad_exchange in ("fp32", "bf16_a2a"),
+        "parallel.grad_exchange",
+        p.grad_exchange,
+        "valid: fp32 or bf16_a2a",
+    )
+    check(p.gpu.lower() in gpus, "parallel.gpu", p.gpu, f"valid: {gpus}")
+    check(p.zero in (0, 1), "parallel.zero", p.zero, "valid: 0 or 1 (fsdp covers weights)")
+    check(p.ag_threshold > 0, "parallel.ag_threshold", p.ag_threshold, "must be > 0")
+    check(
+        p.a2a_buffer_factor >= 0,
+        "parallel.a2a_buffer_factor",
+        p.a2a_buffer_factor,
+        "must be >= 0 (0: worst-case all-to-all buffers, exactly dropless)",
+    )
