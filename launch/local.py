@@ -83,11 +83,13 @@ def coordinator_port(port: int) -> int:
 def check_train(train_args: list[str]) -> Path:
     """Train's own flag, config and workdir checks, run here before any process starts
     (no jax is imported); returns the workdir the processes will use."""
+    import importlib
+
     from absl import flags
 
     argv, sys.argv = sys.argv, ["moe_jax.train", *train_args]
     try:  # train defines its flags (and reads the overrides) as it is imported
-        from moe_jax import train
+        importlib.import_module("moe_jax.train")
     finally:
         sys.argv = argv
     from moe_jax import cli
@@ -102,9 +104,8 @@ def check_train(train_args: list[str]) -> Path:
         config_lib.load(flags.FLAGS.config)
     except ValueError as error:
         raise SystemExit(f"error: {error}") from None
-    workdir = Path(
-        train._WORKDIR.value or Path("runs") / Path(flags.FLAGS["config"].config_filename).stem
-    )
+    config_file = Path(flags.FLAGS["config"].config_filename)
+    workdir = Path(flags.FLAGS.workdir or Path("runs") / config_file.stem)  # as train's
     try:
         workdir_lib.check(workdir)
         workdir_lib.Lock(workdir).check_free()
@@ -172,7 +173,8 @@ def main(argv: list[str]) -> int:
         raise SystemExit(
             f"error: --workdir={workdir}: cannot write {error.filename}: {error.strerror}"
         ) from None
-    with process_group.Group() as group:
+    verbose = any(a.split("=")[0] in ("--verbosity", "-v") for a in train_args)
+    with process_group.Group(quiet=not verbose) as group:
         for i in range(args.n):
             command = [sys.executable, "-m", "moe_jax.train", *train_args]
             command += [f"--coordinator={coordinator}", f"--num_processes={args.n}"]
@@ -189,7 +191,7 @@ def report(outcome: process_group.Outcome, logs: Logs) -> int:
         name = signal.Signals(outcome.stopped_by).name
         logs.close(undo=False)
         if all(code == 75 for code in outcome.codes):
-            print(f"stopped by {name}: every process saved a checkpoint; run again to resume")
+            print(f"stopped by {name}: all {len(outcome.codes)} processes saved and stopped")
             return 75
         print(
             f"error: stopped by {name} (exit status of the processes: {codes}); "

@@ -19,7 +19,8 @@ process 0 waiting for its peer with parent 1). `Group` owns its children:
   run missing a peer cannot go on or save.
 - Each child's output passes through the launcher, which keeps its last stderr line
   to name the failure in one line; an `error: ` line of a shown child is held back
-  until the child goes on or ends, so that a failure is said once, by the launcher.
+  until the child goes on or ends, so that a failure is said once, by the launcher;
+  and JAX's C++ lines about the signal (`NATIVE_NOISE`) are left out of it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import os
+import re
 import selectors
 import signal
 import subprocess
@@ -40,6 +42,8 @@ FAIL_GRACE_S = 5.0
 STOP_GRACE_S = 60.0
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 ERROR = b"error: "
+# JAX's C++ runtime logging a signal that the run itself answers with its own line.
+NATIVE_NOISE = re.compile(rb"[IW]\d{4} [\d:.]+ +\d+ preemption_\w+\.cc:\d+\] ")
 
 
 @dataclasses.dataclass
@@ -50,6 +54,7 @@ class Stream:
     sink: BinaryIO
     is_stderr: bool
     hold: bool
+    quiet: bool
     partial: bytes = b""
     held: bytes = b""
 
@@ -59,6 +64,8 @@ class Stream:
             self._line(line + b"\n")
 
     def _line(self, line: bytes) -> None:
+        if self.quiet and NATIVE_NOISE.match(line):
+            return
         if self.is_stderr and line.strip():
             self.child.last_line = line.decode(errors="replace").strip()
         self.release()
@@ -130,7 +137,8 @@ def _die_with_parent() -> Callable[[], None] | None:
 class Group:
     """Starts `commands` as children and supervises them until all have ended."""
 
-    def __init__(self) -> None:
+    def __init__(self, quiet: bool = True) -> None:
+        self.quiet = quiet  # shown output without the noise of JAX's runtime
         self.children: list[Child] = []
         self._selector = selectors.DefaultSelector()
         self._signals: list[int] = []
@@ -169,7 +177,7 @@ class Group:
             (process.stdout, sinks[0], False),
             (process.stderr, sinks[1], True),
         ):
-            stream = Stream(child, sink, is_stderr, hold and is_stderr)
+            stream = Stream(child, sink, is_stderr, hold and is_stderr, hold and self.quiet)
             child.streams.append(stream)
             os.set_blocking(pipe.fileno(), False)
             self._selector.register(pipe, selectors.EVENT_READ, stream)

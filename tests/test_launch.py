@@ -107,7 +107,7 @@ def test_local_launch_keeps_the_users_xla_flags(monkeypatch):
 
 # No process outlives the launcher. Each launch below is stopped while its two training
 # processes are still starting (importing jax), before anything compiles.
-LAUNCH = [sys.executable, "launch/local.py", "-n", "2", "--devices", "1", "--", *TINY]
+LAUNCH = [sys.executable, "launch/local.py", "-n", "2", "--devices", "1", "--"]
 
 
 def _stat(pid: int) -> list[str] | None:
@@ -148,15 +148,19 @@ def _wait_until(condition, timeout: float):
     return condition()
 
 
-def _start_two(workdir: Path) -> tuple[subprocess.Popen, dict[int, str]]:
-    launcher = subprocess.Popen(
-        [*LAUNCH, f"--workdir={workdir}", "--config.train.steps=2"],
+def _launch(workdir: Path, *config: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [*LAUNCH, *config, *TINY, f"--workdir={workdir}", "--config.train.steps=2"],
         cwd=ROOT,
         env=subprocess_env(JAX_PLATFORMS="cpu"),
-        stdout=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+def _start_two(workdir: Path) -> tuple[subprocess.Popen, dict[int, str]]:
+    launcher = _launch(workdir)
     children = _wait_until(lambda: len(_training_children(launcher.pid)) == 2, 60)
     assert children, launcher.stderr.read() if launcher.poll() is not None else "no children"
     return launcher, _training_children(launcher.pid)
@@ -195,11 +199,42 @@ def test_a_failed_process_takes_the_others_along(tmp_path):
     assert last == f"error: {said}"
 
 
+# A config that fails in one process only (the launcher and the other process load it).
+ONE_FAILS = """import runpy, sys
+def get_config():
+    if "--process_id={i}" in sys.argv:
+        raise ValueError("process {i} cannot read its settings")
+    return runpy.run_path({default!r})["get_config"]()
+"""
+
+
+@pytest.mark.parametrize("failing", [0, 1])
+def test_a_process_that_fails_at_start_stops_the_others(tmp_path, failing):
+    config = tmp_path / "config.py"
+    config.write_text(ONE_FAILS.format(i=failing, default=str(ROOT / "configs" / "default.py")))
+    workdir = tmp_path / "run"
+    launcher = _launch(workdir, f"--config={config}")
+    children: dict[int, str] = {}
+    while launcher.poll() is None:  # the processes it started, however briefly
+        children |= _training_children(launcher.pid)
+        time.sleep(0.01)
+    _, stderr = launcher.communicate(timeout=120)
+    assert children and _all_gone(children), children
+    assert launcher.returncode == 1
+    # one error line (process 0's own, shown, is held back and said by the launcher)
+    said = f"process {failing} of 2 failed (exit status 1), the others were stopped: "
+    said += f"cannot load --config={config}: get_config() raised ValueError: "
+    said += f"process {failing} cannot read its settings"
+    assert [line for line in stderr.splitlines() if "error:" in line] == [f"error: {said}"]
+    assert stderr.strip().splitlines()[-1] == f"error: {said}"
+    assert not workdir.exists()  # bad input: the launcher's process_1.log is taken back
+
+
 def test_a_bad_workdir_starts_no_process(tmp_path):
     (tmp_path / "blocker").write_text("a user's file\n")
     for workdir in (tmp_path / "blocker", tmp_path / "blocker" / "run"):
         done = subprocess.run(
-            [*LAUNCH, f"--workdir={workdir}"],
+            [*LAUNCH, *TINY, f"--workdir={workdir}"],
             cwd=ROOT,
             env=subprocess_env(JAX_PLATFORMS="cpu"),
             capture_output=True,
