@@ -186,7 +186,7 @@ def main(argv: list[str]) -> int:
 
 def report(outcome: process_group.Outcome, logs: Logs) -> int:
     """One line on how the processes ended; the launcher's exit status."""
-    codes = ", ".join(str(code) for code in outcome.codes)
+    codes = ", ".join(process_group.describe(code) for code in outcome.codes)
     if outcome.stopped_by:
         name = signal.Signals(outcome.stopped_by).name
         logs.close(undo=False)
@@ -194,7 +194,7 @@ def report(outcome: process_group.Outcome, logs: Logs) -> int:
             print(f"stopped by {name}: all {len(outcome.codes)} processes saved and stopped")
             return 75
         print(
-            f"error: stopped by {name} (exit status of the processes: {codes}); "
+            f"error: stopped by {name} before every process saved ({codes}); "
             "run the same command again to resume from the last checkpoint",
             file=sys.stderr,
         )

@@ -19,8 +19,9 @@ process 0 waiting for its peer with parent 1). `Group` owns its children:
   run missing a peer cannot go on or save.
 - Each child's output passes through the launcher, which keeps its last stderr line
   to name the failure in one line; an `error: ` line of a shown child is held back
-  until the child goes on or ends, so that a failure is said once, by the launcher;
-  and JAX's C++ lines about the signal (`NATIVE_NOISE`) are left out of it.
+  until the child goes on or ends, so that a failure is said once, by the launcher.
+  JAX's C++ lines about a signal (`NATIVE_NOISE`) and the KeyboardInterrupt traceback
+  of a child that got a Ctrl-C while still importing are left out.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ FAIL_GRACE_S = 5.0
 STOP_GRACE_S = 60.0
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 ERROR = b"error: "
+TRACEBACK = b"Traceback (most recent call last):"
 # JAX's C++ runtime logging a signal that the run itself answers with its own line.
 NATIVE_NOISE = re.compile(rb"[IW]\d{4} [\d:.]+ +\d+ preemption_\w+\.cc:\d+\] ")
 
@@ -57,6 +59,7 @@ class Stream:
     quiet: bool
     partial: bytes = b""
     held: bytes = b""
+    trace: list[bytes] | None = None  # a traceback being read, shown unless Ctrl-C's
 
     def feed(self, data: bytes) -> None:
         *lines, self.partial = (self.partial + data).split(b"\n")
@@ -68,11 +71,24 @@ class Stream:
             return
         if self.is_stderr and line.strip():
             self.child.last_line = line.decode(errors="replace").strip()
+        if self.quiet and (self.trace is not None or line.startswith(TRACEBACK)):
+            self._traceback(line)
+            return
         self.release()
         if self.hold and line.startswith(ERROR):
             self.held = line
         else:
             self._write(line)
+
+    def _traceback(self, line: bytes) -> None:
+        """Drops the KeyboardInterrupt traceback of a child that the launcher passed a
+        Ctrl-C on to before it could catch it (while it imports); shows any other."""
+        self.trace = [*(self.trace or []), line]
+        if line[:1].isspace() or line.startswith(TRACEBACK) or not line.strip():
+            return  # inside it: shown, or not, once its last line names the exception
+        if not (self.child.signalled and line.startswith(b"KeyboardInterrupt")):
+            self._write(b"".join(self.trace))
+        self.trace = None
 
     def release(self) -> None:
         """Shows the held-back line (the child went on, or it is not the failure)."""
@@ -84,6 +100,9 @@ class Stream:
         if self.partial:
             self._line(self.partial + b"\n")
             self.partial = b""
+        if self.trace:
+            self._write(b"".join(self.trace))
+            self.trace = None
 
     def _write(self, data: bytes) -> None:
         self.sink.write(data)
