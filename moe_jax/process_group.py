@@ -60,6 +60,7 @@ class Stream:
     partial: bytes = b""
     held: bytes = b""
     trace: list[bytes] | None = None  # a traceback being read, shown unless Ctrl-C's
+    gone: bool = False  # the sink's reader left
 
     def feed(self, data: bytes) -> None:
         *lines, self.partial = (self.partial + data).split(b"\n")
@@ -105,8 +106,13 @@ class Stream:
             self.trace = None
 
     def _write(self, data: bytes) -> None:
-        self.sink.write(data)
-        self.sink.flush()
+        if self.gone:
+            return
+        try:
+            self.sink.write(data)
+            self.sink.flush()
+        except BrokenPipeError:  # the reader left (`| head`): the run goes on unshown
+            self.gone = True
 
 
 @dataclasses.dataclass
