@@ -261,3 +261,20 @@ def _cmdline(entry: Path) -> bytes:
         return (entry / "cmdline").read_bytes()
     except OSError:
         return b""
+
+
+def test_the_launcher_checks_without_importing_jax():
+    """Its checks cost a fraction of a second: no jax until a process starts."""
+    code = (
+        "import runpy, sys\n"
+        "sys.argv = ['launch/local.py', '-n', '2', '--', '--config.moe.top_k=99']\n"
+        "try:\n"
+        "    runpy.run_path('launch/local.py', run_name='__main__')\n"
+        "except SystemExit as stop:\n"
+        "    print(stop.code, 'jax' in sys.modules, 'flax' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True
+    )
+    assert done.stdout.startswith("error: moe.top_k=99 is invalid"), done.stdout + done.stderr
+    assert done.stdout.strip().endswith("False False")
