@@ -4,14 +4,19 @@ process with 8 devices; SLURM task layouts become the right local GPUs."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from moe_jax import distributed
+from tests.commands import TINY, subprocess_env
 from tests.multihost import MODEL, ROOT, SAVED_PLAN, STEPS, flags, losses, run
 
 
@@ -94,9 +99,182 @@ def _local():
     return runpy.run_path(str(ROOT / "launch" / "local.py"))
 
 
-def test_local_launch_keeps_the_users_xla_flags_and_reads_both_workdir_forms(monkeypatch):
+def test_local_launch_keeps_the_users_xla_flags(monkeypatch):
     local = _local()
     monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x --xla_force_host_platform_device_count=2")
-    assert local["_xla_flags"](4) == "--xla_dump_to=/tmp/x --xla_force_host_platform_device_count=4"
-    assert local["_workdir"](["--workdir", "runs/a", "--config.train.steps=1"]) == "runs/a"
-    assert local["_workdir"](["--workdir=runs/b"]) == "runs/b"
+    assert local["xla_flags"](4) == "--xla_dump_to=/tmp/x --xla_force_host_platform_device_count=4"
+
+
+# No process outlives the launcher. Each launch below is stopped while its two training
+# processes are still starting (importing jax), before anything compiles.
+LAUNCH = [sys.executable, "launch/local.py", "-n", "2", "--devices", "1", "--"]
+
+
+def _stat(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat's fields from the state on (state, ppid, ..., start time at
+    [19]), or None when the process is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text.rsplit(")", 1)[1].split()
+
+
+def _alive(pid: int, started: str) -> bool:
+    """Whether this process (not a later one with its pid) still runs (a zombie is dead)."""
+    fields = _stat(pid)
+    return fields is not None and fields[19] == started and fields[0] != "Z"
+
+
+def _training_children(parent: int) -> dict[int, str]:
+    """The training processes (past their exec) of `parent`: pid -> start time."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        fields = _stat(int(entry.name)) if entry.name.isdigit() else None
+        if fields and fields[1] == str(parent):
+            with contextlib.suppress(OSError):
+                if b"moe_jax.train" in (entry / "cmdline").read_bytes():
+                    found[int(entry.name)] = fields[19]
+    return found
+
+
+def _wait_until(condition, timeout: float):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.02)
+    return condition()
+
+
+def _launch(workdir: Path, *config: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [*LAUNCH, *config, *TINY, f"--workdir={workdir}", "--config.train.steps=2"],
+        cwd=ROOT,
+        env=subprocess_env(JAX_PLATFORMS="cpu"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _start_two(workdir: Path) -> tuple[subprocess.Popen, dict[int, str]]:
+    launcher = _launch(workdir)
+    children = _wait_until(lambda: len(_training_children(launcher.pid)) == 2, 60)
+    assert children, launcher.stderr.read() if launcher.poll() is not None else "no children"
+    return launcher, _training_children(launcher.pid)
+
+
+def _all_gone(children: dict[int, str], timeout: float = 30) -> bool:
+    return _wait_until(lambda: not any(_alive(p, s) for p, s in children.items()), timeout)
+
+
+STOPS = [signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP]
+
+
+@pytest.mark.parametrize("sig", STOPS, ids=[s.name for s in STOPS])
+def test_no_process_outlives_a_stopped_launcher(tmp_path, sig):
+    launcher, children = _start_two(tmp_path / "run")
+    launcher.send_signal(sig)
+    _, stderr = launcher.communicate(timeout=120)
+    assert _all_gone(children), children
+    if sig == signal.SIGKILL:  # the kernel ends the children (their death signal)
+        assert launcher.returncode == -signal.SIGKILL
+        return
+    # passed on; the processes stopped before training, so nothing was saved: 130 for a
+    # Ctrl-C before training, as train's; 75 (stopped, run again) for the others
+    assert launcher.returncode == (130 if sig == signal.SIGINT else 75), stderr[-2000:]
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: stopped by {sig.name} before every process saved (")
+    assert "Traceback" not in stderr
+
+
+def test_a_failed_process_takes_the_others_along(tmp_path):
+    launcher, children = _start_two(tmp_path / "run")
+    second = next(
+        p for p in children if b"--process_id=1" in Path(f"/proc/{p}/cmdline").read_bytes()
+    )
+    os.kill(second, signal.SIGKILL)  # process 1 dies at start (as the OOM killer would)
+    _, stderr = launcher.communicate(timeout=120)
+    assert _all_gone(children), children
+    assert launcher.returncode == 128 + signal.SIGKILL
+    last = stderr.strip().splitlines()[-1]
+    said = "process 1 of 2 failed (killed by SIGKILL), the others were stopped: no error output"
+    assert last == f"error: {said}"
+
+
+# A config that fails in one process only (the launcher and the other process load it).
+ONE_FAILS = """import runpy, sys
+def get_config():
+    if "--process_id={i}" in sys.argv:
+        raise ValueError("process {i} cannot read its settings")
+    return runpy.run_path({default!r})["get_config"]()
+"""
+
+
+@pytest.mark.parametrize("failing", [0, 1])
+def test_a_process_that_fails_at_start_stops_the_others(tmp_path, failing):
+    config = tmp_path / "config.py"
+    config.write_text(ONE_FAILS.format(i=failing, default=str(ROOT / "configs" / "default.py")))
+    workdir = tmp_path / "run"
+    launcher = _launch(workdir, f"--config={config}")
+    children: dict[int, str] = {}
+    while launcher.poll() is None:  # the processes it started, however briefly
+        children |= _training_children(launcher.pid)
+        time.sleep(0.01)
+    _, stderr = launcher.communicate(timeout=120)
+    assert children and _all_gone(children), children
+    assert launcher.returncode == 1
+    # one error line (process 0's own, shown, is held back and said by the launcher)
+    said = f"process {failing} of 2 failed (exit status 1), the others were stopped: "
+    said += f"cannot load --config={config}: get_config() raised ValueError: "
+    said += f"process {failing} cannot read its settings"
+    assert [line for line in stderr.splitlines() if "error:" in line] == [f"error: {said}"]
+    assert stderr.strip().splitlines()[-1] == f"error: {said}"
+    assert not workdir.exists()  # bad input: the launcher's process_1.log is taken back
+
+
+def test_a_bad_workdir_starts_no_process(tmp_path):
+    (tmp_path / "blocker").write_text("a user's file\n")
+    for workdir in (tmp_path / "blocker", tmp_path / "blocker" / "run"):
+        done = subprocess.run(
+            [*LAUNCH, *TINY, f"--workdir={workdir}"],
+            cwd=ROOT,
+            env=subprocess_env(JAX_PLATFORMS="cpu"),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 1 and "Traceback" not in done.stderr
+        assert done.stderr.strip().splitlines()[-1].startswith(f"error: --workdir={workdir} ")
+        # no process anywhere was started for this launch (its command lines name the path)
+        assert not [
+            entry.name
+            for entry in Path("/proc").iterdir()
+            if entry.name.isdigit() and str(tmp_path).encode() in _cmdline(entry)
+        ]
+
+
+def _cmdline(entry: Path) -> bytes:
+    try:
+        return (entry / "cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def test_the_launcher_checks_without_importing_jax():
+    """Its checks cost a fraction of a second: no jax until a process starts."""
+    code = (
+        "import runpy, sys\n"
+        "sys.argv = ['launch/local.py', '-n', '2', '--', '--config.moe.top_k=99']\n"
+        "try:\n"
+        "    runpy.run_path('launch/local.py', run_name='__main__')\n"
+        "except SystemExit as stop:\n"
+        "    print(stop.code, 'jax' in sys.modules, 'flax' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True
+    )
+    assert done.stdout.startswith("error: moe.top_k=99 is invalid"), done.stdout + done.stderr
+    assert done.stdout.strip().endswith("False False")
