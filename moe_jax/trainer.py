@@ -312,7 +312,10 @@ def _train(config, workdir: Path, layout, graphdef, placed, checkpoints, train_b
                     jax.block_until_ready(metrics)
                     bad_in_a_row, skipped = (int(x) for x in jax.device_get(bad))
                     if skipped:
-                        say(f"steps {logged + 1}-{step}: {skipped} non-finite losses skipped")
+                        say(
+                            f"steps {logged + 1}-{step}: {skipped} skipped (a non-finite loss, "
+                            "gradient or update)"
+                        )
                     if bad_in_a_row >= tc.max_bad_steps:
                         last_good = checkpoints.latest_step()
                         where = (
@@ -321,8 +324,8 @@ def _train(config, workdir: Path, layout, graphdef, placed, checkpoints, train_b
                             else "no checkpoint was saved before it"
                         )
                         raise RunError(
-                            f"stopping: {bad_in_a_row} steps in a row had a non-finite loss "
-                            f"(train.max_bad_steps={tc.max_bad_steps}); {where}"
+                            f"stopping: {bad_in_a_row} steps in a row had a non-finite loss, "
+                            f"gradient or update (train.max_bad_steps={tc.max_bad_steps}); {where}"
                         )
                     bad, logged = (bad[0], jnp.zeros((), jnp.int32)), step
                     now = time.perf_counter()

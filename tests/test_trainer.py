@@ -299,17 +299,23 @@ def test_checkpoint_of_incompatible_config_is_rejected(tmp_path: Path):
     _assert_rejected(other, run, "model.embed_dim", "32", "64")
 
 
-def test_non_finite_losses_stop_the_run(tmp_path: Path):
-    """An absurd learning rate makes the loss overflow: updates are skipped, then the run stops."""
-    run = tmp_path / "run"
-    cfg = tiny_config(steps=50, learning_rate=1e30, warmup_steps=0, grad_clip=0.0)
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_bad_steps=3))
-    with pytest.raises(trainer.RunError, match=r"train\.max_bad_steps=3") as error:
-        trainer.run(cfg, run)
-    assert "no checkpoint was saved before it" in str(error.value)  # none exists to name
-    assert not list((run / "checkpoints").glob("*")) or all(
-        p.name.isdigit() for p in (run / "checkpoints").iterdir()
-    )
+def test_steps_whose_update_is_not_finite_are_skipped_and_stop_the_run(tmp_path, capsys):
+    """A learning rate of inf (past the config's own check, which refuses it) keeps the
+    loss and gradients finite but makes the update non-finite: each step is skipped and
+    counted as a non-finite loss is (the log line, `skipped_steps_in_a_row`, the stop at
+    train.max_bad_steps), and nothing non-finite is ever saved. (That a NaN loss sets the
+    same `skipped` the trainer counts: tests/test_train_step.py.)"""
+    cfg = tiny_config(steps=4, eval_every=0, warmup_steps=0)
+    train = dataclasses.replace(cfg.train, learning_rate=float("inf"), max_bad_steps=2)
+    with pytest.raises(trainer.RunError, match=r"2 steps in a row .*train\.max_bad_steps=2"):
+        trainer.run(dataclasses.replace(cfg, train=train), tmp_path / "run")
+    rows = read_rows(tmp_path / "run" / "metrics.jsonl")
+    assert [(r["step"], r["skipped_steps_in_a_row"]) for r in rows] == [(1, 1)]
+    assert np.isfinite(rows[0]["loss"]) and np.isfinite(rows[0]["grad_norm"])
+    out = capsys.readouterr().out
+    assert "steps 1-1: 1 skipped (a non-finite loss, gradient or update)" in out
+    assert "steps 2-2: 1 skipped" in out
+    assert not list((tmp_path / "run" / "checkpoints").glob("[0-9]*"))
 
 
 def test_profile_writes_a_trace(tmp_path: Path):
