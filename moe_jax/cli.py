@@ -16,11 +16,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import ml_collections
 from absl import flags
 from ml_collections import config_flags
+from ml_collections.config_flags.config_flags import ConfigFileFlagParser
 
 from moe_jax import config as config_lib
-from moe_jax import config_help, quiet
+from moe_jax import config_help, quiet, run_config
 
 # The repository's configs, found from the package so that a command works from any
 # directory (`pip install -e .` keeps the package inside the repository).
@@ -41,7 +43,23 @@ def define_config_flag(argv: list[str] | None = None):
     problem = check_config_args(argv)
     if problem:
         raise SystemExit(f"error: {problem}")
-    return config_flags.DEFINE_config_file("config", str(DEFAULT_CONFIG), "Config file.")
+    holder = config_flags.DEFINE_config_file("config", str(DEFAULT_CONFIG), "Config file.")
+    flags.FLAGS[holder.name].parser = _ConfigFileParser(holder.name)  # .json files too
+    return holder
+
+
+class _ConfigFileParser(ConfigFileFlagParser):
+    """ml_collections' parser of `--config=FILE`, which also reads a `.json` file of
+    settings (a run's config.json: `moe_jax.run_config`) as a config; `check_config_args`
+    has refused a bad one in one line before this runs."""
+
+    def parse(self, path):
+        if not str(path).endswith(".json"):
+            return super().parse(path)
+        config = ml_collections.ConfigDict(run_config.over_defaults(run_config.read_json(path)))
+        if self._lock_config:
+            config.lock()
+        return config
 
 
 def _config_file(argv: list[str]) -> str | None:
@@ -59,7 +77,8 @@ def check_config_args(argv: list[str]) -> str | None:
     names no setting), as one line, or None."""
     name = _config_file(argv)
     if name is not None:
-        problem = _config_file_problem(name)
+        check = _json_config_problem if name.endswith(".json") else _config_file_problem
+        problem = check(name)
         if problem:
             return f"cannot load --config={name}: {problem}"
     for path in _overrides(argv):
@@ -88,6 +107,17 @@ def _config_file_problem(name: str) -> str | None:
         get_config(*([argument] if argument else []))
     except Exception as error:
         return f"get_config() raised {_one_line(error)}"
+    return None
+
+
+def _json_config_problem(name: str) -> str | None:
+    """Why the JSON config file `name` cannot give a valid config, or None."""
+    if not Path(name).is_file():
+        return "no such file"
+    try:
+        run_config.load_json(name)
+    except ValueError as error:
+        return str(error)
     return None
 
 

@@ -97,22 +97,39 @@ FIXED_ON_RESUME = (
 )
 
 
-def _resume_changes(ours: dict, saved: dict, step: int) -> list[str]:
-    """Lines naming the settings that differ from the checkpoint's; a ValueError for one
-    that cannot change."""
+def _resume_changes(ours: dict, saved: dict, step: int, directory: Path) -> list[str]:
+    """Lines naming the settings that differ from the checkpoint's; one ValueError naming
+    every setting that cannot change (the model's, and from step 1 on those the data
+    position depends on), all at once, so one retry is enough."""
     flat = lambda c: {f"{s}.{k}": v for s, section in c.items() for k, v in section.items()}
-    ours, saved = flat(ours), flat(saved)
-    changed = [k for k in sorted(ours) if k in saved and ours[k] != saved[k]]
-    for key in changed:
-        if key in FIXED_ON_RESUME:
-            raise ValueError(
-                f"{key}={ours[key]!r} here but {saved[key]!r} in the checkpoint of step {step}: "
-                "the data position cannot carry over; use the checkpoint's value or a new "
-                "--workdir"
-            )
-    if not changed:
+    ours_flat, saved_flat = flat(ours), flat(saved)
+    changed = [k for k in sorted(ours_flat) if k in saved_flat and ours_flat[k] != saved_flat[k]]
+    model, model_saved = checkpoint.architecture(ours), checkpoint.architecture(saved)
+    refused = {
+        "another model": [
+            (k, model.get(k), model_saved.get(k))
+            for k in sorted(set(model) | set(model_saved))
+            if model.get(k) != model_saved.get(k)
+        ],
+        "the data position cannot carry over": [
+            (k, ours_flat[k], saved_flat[k]) for k in changed if step and k in FIXED_ON_RESUME
+        ],
+    }
+    groups = [
+        ", ".join(f"{k}={here!r} here but {there!r} there" for k, here, there in found)
+        + f" ({why})"
+        for why, found in refused.items()
+        if found
+    ]
+    if groups:
+        raise ValueError(
+            f"{directory} holds a checkpoint (step {step}) that these settings cannot resume: "
+            f"{'; '.join(groups)}; use the checkpoint's values (without --config, the run's "
+            "saved settings are the defaults) or a new --workdir"
+        )
+    if not changed or not step:
         return []
-    listed = ", ".join(f"{k}={ours[k]!r} (was {saved[k]!r})" for k in changed)
+    listed = ", ".join(f"{k}={ours_flat[k]!r} (was {saved_flat[k]!r})" for k in changed)
     return [f"resuming step {step} with changed settings: {listed}"]
 
 
@@ -180,15 +197,17 @@ def run(config: config_lib.Config, workdir: str | Path) -> dict[str, Any]:
         train_batches = pipeline.make_iterator(config, "train", rows)
         pipeline.make_iterator(config, "val", rows, shuffle=False)  # fails early on a bad split
         config_dict = dataclasses.asdict(config)
-        checkpoints.check_compatible(config_dict)
+        found = checkpoints.newest_readable()
+        changes = (
+            _resume_changes(config_dict, found[1], found[0], checkpoints.directory) if found else []
+        )
         _check_own_config_json(workdir)
         read_rows(workdir / "metrics.jsonl")  # a line damaged mid-file stops it here
-        found = checkpoints.newest_readable()
         if found is None:
             _check_not_all_damaged(checkpoints)
         start = found[0] if found else 0
         if start:
-            for line in _resume_changes(config_dict, found[1], start):
+            for line in changes:
                 say(line)
             if tc.steps <= start:
                 say(f"already complete at step {start} (train.steps={tc.steps}); nothing to do")
