@@ -119,10 +119,17 @@ def _wandb_run(workdir: Path, mode: str, project: str, config: dict[str, Any]):
     run_id = hashlib.sha1(str(workdir.resolve()).encode()).hexdigest()[:16]
     (workdir / "wandb").mkdir(parents=True, exist_ok=True)
     settings = wandb.Settings(silent=True, console="off")
-    return wandb.init(
-        project=project, id=run_id, resume="allow", mode=mode, dir=str(workdir),
-        config=config, name=workdir.name, settings=settings,
-    )  # fmt: skip
+    try:
+        return wandb.init(
+            project=project, id=run_id, resume="allow", mode=mode, dir=str(workdir),
+            config=config, name=workdir.name, settings=settings,
+        )  # fmt: skip
+    except Exception as error:  # wandb's own: a refused key, an unreachable server
+        text = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise ValueError(
+            f"train.wandb={mode!r}: W&B did not start ({text}); fix that, or use "
+            "train.wandb='offline' (synced later with `wandb sync`) or 'off'"
+        ) from None
 
 
 class MetricsLogger:

@@ -283,7 +283,7 @@ def _train(config, workdir: Path, layout, graphdef, placed, checkpoints, train_b
     try:
         wandb = (tc.wandb, tc.wandb_project, config_dict)
         logger = MetricsLogger(workdir, tc.steps, start, enabled=process == 0, wandb=wandb)
-    except ValueError as error:  # a damaged metrics.jsonl
+    except ValueError as error:  # a damaged metrics.jsonl, or W&B that did not start
         raise RunError(str(error)) from None
     tokens_per_step = tc.batch_size * tc.seq_len
     flops_per_step = flops.flops_per_token(config.model, config.moe, tc.seq_len) * tokens_per_step

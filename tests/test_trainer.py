@@ -428,3 +428,25 @@ def test_wandb_offline_logs_every_row_into_the_workdir(tmp_path, monkeypatch):
     losses = [row["loss"] for row in read_rows(tmp_path / "metrics.jsonl") if "loss" in row]
     assert len(losses) == 3
     assert all(json.dumps(loss).encode() in data for loss in losses)
+
+
+def test_wandb_credentials_are_found_where_wandb_looks(tmp_path):
+    """`train.wandb=online` is refused up front only when wandb would find no key: none
+    in the environment, in the netrc entry `wandb login` writes for its host (another
+    host's does not count), or in its settings file."""
+    from moe_jax.metrics import wandb_credentials
+
+    home = {"HOME": str(tmp_path)}
+    assert not wandb_credentials(home)
+    assert wandb_credentials({**home, "WANDB_API_KEY": "k" * 40})
+    (tmp_path / ".netrc").write_text("machine example.com login user password k\n")
+    assert not wandb_credentials(home)
+    (tmp_path / ".netrc").write_text("machine api.wandb.ai login user password k\n")
+    assert wandb_credentials(home)
+    assert not wandb_credentials({**home, "WANDB_BASE_URL": "https://wandb.example.com"})
+    settings = tmp_path / "wandb-config" / "settings"
+    settings.parent.mkdir()
+    settings.write_text("[default]\napi_key = k\n")
+    assert wandb_credentials(
+        {**home, "NETRC": "/nonexistent", "WANDB_CONFIG_DIR": str(settings.parent)}
+    )
