@@ -15,7 +15,7 @@ import pytest
 
 from moe_jax.metrics import read_rows
 from tests.bad_inputs import snapshot
-from tests.commands import TINY, run_command
+from tests.commands import ROOT, TINY, run_command
 
 # Twelve and more flags, none of them a default, none changing a compiled program.
 FLAGS = [
@@ -72,3 +72,19 @@ def test_the_runs_config_json_is_a_config(bad_input_run: Path, tmp_path: Path):
     done = run_command(tmp_path, "train", overridden, warm=True)
     assert "already complete at step 4 (train.steps=3)" in done.stdout, done.stderr[-2000:]
     assert snapshot(tmp_path) == before
+
+
+def test_workdir_alone_that_holds_no_run_says_so_first(tmp_path: Path):
+    """`--workdir=RUN` alone where RUN holds no run starts a new one from
+    configs/default.py (as `python -m moe_jax.train` does), saying so before anything
+    else, so a mistyped run directory shows at once (here it then fails: it lies under a
+    file, which keeps the test from training)."""
+    (tmp_path / "blocker").write_text("a file\n")
+    done = run_command(tmp_path, "train", [f"--workdir={tmp_path}/blocker/run"], warm=True)
+    assert done.returncode == 1
+    first = done.stdout.splitlines()[0]
+    assert first == (
+        f"{tmp_path}/blocker/run holds no run (no config.json): a new one from "
+        f"{ROOT}/configs/default.py"
+    )
+    assert "lies under" in done.stderr.splitlines()[-1]
