@@ -19,9 +19,10 @@ from typing import Any
 import ml_collections
 from absl import flags
 from ml_collections import config_flags
+from ml_collections.config_flags.config_flags import ConfigFileFlagParser
 
 from moe_jax import config as config_lib
-from moe_jax import config_help, quiet
+from moe_jax import config_help, quiet, run_config
 
 # The repository's configs, found from the package so that a command works from any
 # directory (`pip install -e .` keeps the package inside the repository).
@@ -48,6 +49,7 @@ def define_config_flag(argv: list[str] | None = None):
     if problem:
         raise SystemExit(f"error: {problem}")
     holder = config_flags.DEFINE_config_file("config", str(DEFAULT_CONFIG), CONFIG_HELP)
+    flags.FLAGS[holder.name].parser = _ConfigFileParser(holder.name)  # .json files too
     # `--help` lists the main module's flags: --config (and its --config_help) among them.
     flags.FLAGS.register_key_flag_for_module(sys.argv[0], flags.FLAGS["config"])
     return holder
@@ -62,6 +64,7 @@ def given_values(argv: list[str]) -> dict[str, Any]:
         raise SystemExit(f"error: {problem}")
     given = flags.FlagValues()
     config_flags.DEFINE_config_file("config", str(DEFAULT_CONFIG), flag_values=given, sys_argv=argv)
+    given["config"].parser = _ConfigFileParser("config")
     try:
         given(argv, known_only=True)
         values = given.config
@@ -69,6 +72,20 @@ def given_values(argv: list[str]) -> dict[str, Any]:
     except (flags.Error, KeyError, AttributeError, TypeError, ValueError) as error:
         message = str(error).strip("'\"").splitlines()[0]
         raise SystemExit(f"error: bad --config override: {message}") from None
+
+
+class _ConfigFileParser(ConfigFileFlagParser):
+    """ml_collections' parser of `--config=FILE`, which also reads a `.json` file of
+    settings (a run's config.json: `moe_jax.run_config`) as a config; `check_config_args`
+    has refused a bad one in one line before this runs."""
+
+    def parse(self, path):
+        if not str(path).endswith(".json"):
+            return super().parse(path)
+        config = ml_collections.ConfigDict(run_config.over_defaults(run_config.read_json(path)))
+        if self._lock_config:
+            config.lock()
+        return config
 
 
 def _config_file(argv: list[str]) -> str | None:
@@ -86,7 +103,8 @@ def check_config_args(argv: list[str]) -> str | None:
     names no setting), as one line, or None."""
     name = _config_file(argv)
     if name is not None:
-        problem = _config_file_problem(name)
+        check = _json_config_problem if name.endswith(".json") else _config_file_problem
+        problem = check(name)
         if problem:
             return f"cannot load --config={name}: {problem}"
     for path in _overrides(argv):
@@ -119,6 +137,17 @@ def _config_file_problem(name: str) -> str | None:
         kind = type(made).__name__
         what = "None" if made is None else f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}"
         return f"get_config() returned {what}, not a ConfigDict"
+    return None
+
+
+def _json_config_problem(name: str) -> str | None:
+    """Why the JSON config file `name` cannot give a valid config, or None."""
+    if not Path(name).is_file():
+        return "no such file"
+    try:
+        run_config.load_json(name)
+    except ValueError as error:
+        return str(error)
     return None
 
 

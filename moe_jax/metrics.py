@@ -3,14 +3,18 @@
 
 from __future__ import annotations
 
+import configparser
 import hashlib
 import importlib.util
 import json
 import math
+import netrc
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import tqdm
 from tensorboardX import SummaryWriter
@@ -65,13 +69,46 @@ def _rewrite(path: Path, rows: list[dict[str, Any]]) -> None:
     os.replace(tmp, path)
 
 
-def check_wandb(mode: str) -> None:
-    """One line, before anything compiles, when W&B is asked for but not installed."""
+def check_wandb(mode: str, env: Mapping[str, str] = os.environ) -> None:
+    """One line, before anything compiles or is written, when W&B is asked for but not
+    installed, or asked to log online without credentials (wandb would fail at its
+    start, with a traceback, after the run had written its config and wandb/)."""
     if mode != "off" and importlib.util.find_spec("wandb") is None:
         raise ValueError(
             f"train.wandb={mode!r} needs the wandb package, which is not installed "
             "(pip install wandb), or train.wandb='off'"
         )
+    if mode == "online" and not wandb_credentials(env):
+        raise ValueError(
+            "train.wandb='online' needs W&B credentials and none were found (WANDB_API_KEY, "
+            "or `wandb login`, which writes ~/.netrc); log in, or use train.wandb='offline' "
+            "(synced later with `wandb sync`) or 'off'"
+        )
+
+
+def wandb_credentials(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether wandb finds an API key without asking, where it looks for one: the
+    environment (WANDB_API_KEY, an identity token file), the netrc entry for its host
+    that `wandb login` writes, the api_key of its settings file. Read here, with no
+    network and no wandb import."""
+    if env.get("WANDB_API_KEY") or env.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    host = urlsplit(env.get("WANDB_BASE_URL") or "https://api.wandb.ai").netloc
+    home = Path(env.get("HOME") or Path.home())
+    found = [p for p in (home / ".netrc", home / "_netrc") if p.exists()]
+    path = Path(env["NETRC"]).expanduser() if env.get("NETRC") else (found or [home / ".netrc"])[0]
+    try:
+        if netrc.netrc(str(path)).authenticators(host):
+            return True
+    except (OSError, netrc.NetrcParseError):
+        pass
+    settings = configparser.ConfigParser()
+    config_dir = Path(env.get("WANDB_CONFIG_DIR") or home / ".config" / "wandb")
+    try:
+        settings.read(config_dir / "settings")
+    except (OSError, configparser.Error):
+        return False
+    return bool(settings.get("default", "api_key", fallback=""))
 
 
 def _wandb_run(workdir: Path, mode: str, project: str, config: dict[str, Any]):
@@ -82,10 +119,17 @@ def _wandb_run(workdir: Path, mode: str, project: str, config: dict[str, Any]):
     run_id = hashlib.sha1(str(workdir.resolve()).encode()).hexdigest()[:16]
     (workdir / "wandb").mkdir(parents=True, exist_ok=True)
     settings = wandb.Settings(silent=True, console="off")
-    return wandb.init(
-        project=project, id=run_id, resume="allow", mode=mode, dir=str(workdir),
-        config=config, name=workdir.name, settings=settings,
-    )  # fmt: skip
+    try:
+        return wandb.init(
+            project=project, id=run_id, resume="allow", mode=mode, dir=str(workdir),
+            config=config, name=workdir.name, settings=settings,
+        )  # fmt: skip
+    except Exception as error:  # wandb's own: a refused key, an unreachable server
+        text = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise ValueError(
+            f"train.wandb={mode!r}: W&B did not start ({text}); fix that, or use "
+            "train.wandb='offline' (synced later with `wandb sync`) or 'off'"
+        ) from None
 
 
 class MetricsLogger:

@@ -3,7 +3,9 @@
 With no flags it trains `configs/default.py` on the embedded corpus (the
 Python standard library's source) into `runs/default`. Exit status: 0 when
 done, 1 on bad input, 75 when a signal (SIGTERM, Ctrl-C) made it save and
-stop early; rerunning the same command resumes.
+stop early; rerunning the same command resumes, and so does `--workdir=RUN`
+alone: without `--config`, a run's saved config.json gives the defaults and the
+`--config.*` flags given change them (`moe_jax.run_config`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from pathlib import Path
 
 from absl import app, flags
 
-from moe_jax import cli, quiet
+from moe_jax import cli, quiet, run_config
 from moe_jax import config as config_lib
 
 _CONFIG = cli.define_config_flag()
@@ -40,13 +42,13 @@ def _main(argv: list[str]) -> None:
         raise SystemExit(
             f"error: unexpected arguments {argv[1:]}; settings go in --config.<a>.<b>="
         )
+    config_path = flags.FLAGS["config"].config_filename
+    workdir = Path(_WORKDIR.value or Path("runs") / Path(config_path).stem)
     try:
-        config = config_lib.load(_CONFIG.value)
+        config, started = _settings(workdir)
     except ValueError as error:
         raise SystemExit(f"error: {error}") from None
     verbose = flags.FLAGS["verbosity"].present  # quiet otherwise (`cli.parse`)
-    config_path = flags.FLAGS["config"].config_filename
-    workdir = Path(_WORKDIR.value or Path("runs") / Path(config_path).stem)
 
     from moe_jax import distributed, preemption, trainer  # after validation: slow imports
 
@@ -57,6 +59,8 @@ def _main(argv: list[str]) -> None:
     if joined and not verbose:
         quiet.drop_native_lines()
 
+    if started:
+        trainer.say(started)
     try:
         trainer.run(config, workdir)
     except trainer.RunError as error:
@@ -65,6 +69,30 @@ def _main(argv: list[str]) -> None:
     except trainer.Stopped as stopped:
         trainer.say(str(stopped))
         raise SystemExit(preemption.EXIT_REQUEUE) from None
+
+
+def _settings(workdir: Path) -> tuple[config_lib.Config, str | None]:
+    """The run's config and the line that says where it came from. Without `--config`,
+    a workdir holding a run's config.json supplies the defaults and the `--config.*`
+    flags given change them (`moe_jax.run_config`); otherwise the config file (default:
+    configs/default.py) with the flags, as for a new run."""
+    config_flag = flags.FLAGS["config"]
+    saved = None if config_flag.present else run_config.saved(workdir)
+    if saved is None:
+        config = config_lib.load(_CONFIG.value)
+        alone = flags.FLAGS["workdir"].present and not config_flag.override_values
+        if not alone or (workdir / "config.json").exists():
+            return config, None
+        source = config_flag.config_filename  # `--workdir=RUN` alone: a typo must show
+        return config, f"{workdir} holds no run (no config.json): a new one from {source}"
+    try:
+        config_lib.load(saved)
+    except ValueError as error:
+        raise ValueError(
+            f"{workdir / 'config.json'}: {error}; give --config=FILE to resume from a config file"
+        ) from None
+    config = config_lib.load(run_config.with_overrides(saved, config_flag.override_values))
+    return config, run_config.resume_line(workdir, saved, config)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """One jitted training step: loss, gradients (accumulated over micro-batches),
-AdamW update, router-bias update, and a skip when the loss is not finite.
+AdamW update, router-bias update, and a skip when the loss, the gradients or the new
+parameters are not finite.
 
 The model is split into a static graph and two state trees: `params`
 (trained by the optimizer) and `biases` (the routers' balancing biases,
@@ -176,8 +177,9 @@ def train_step(graphdef, config: Config, state: TrainState, batch, lr):
     `lr` is this step's learning rate, a float32 scalar computed on the host
     (`moe_jax.optimizer.rates`): the schedule and `train.steps` stay out of the
     program, so runs that differ only in them compile the same one (and share it
-    through the persistent compilation cache). A step whose loss or gradient norm is
-    not finite changes nothing but the step counter and reports `skipped=1`.
+    through the persistent compilation cache). A step whose loss, gradient norm or new
+    parameters are not finite changes nothing but the step counter and reports
+    `skipped=1`.
     """
     metrics, grads = gradients(state, graphdef, batch, config)
     return apply_gradients(config, state, metrics, grads, lr)
@@ -200,13 +202,22 @@ def apply_gradients(config: Config, state: TrainState, metrics: dict, grads, lr)
         scale = jnp.minimum(1.0, cfg.grad_clip / grad_norm)
         grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
     adamw, rate = optimizer.adamw(cfg, lambda count: lr), config.moe.bias_update_rate
+    clipped = cfg.grad_clip > 0  # chain(clip, adamw): the clip's state is empty
+
+    def stepped(params, opt_state):
+        updates, adam = adamw.update(grads, opt_state[1] if clipped else opt_state, params)
+        return optax.apply_updates(params, updates), (opt_state[0], adam) if clipped else adam
+
+    # The update may overflow where the loss and gradients did not (a huge learning rate
+    # or weight decay): the new parameters are checked before the state is touched. Only
+    # their finiteness leaves this pass (XLA fuses it into one reduction, the new moments
+    # are dropped); the conditional below computes them again in the donated buffers.
+    new_params = stepped(state.params, state.opt_state)[0]
+    finite = finite & _all_finite(new_params)
 
     def update(current):
         params, opt_state, biases = current
-        clipped = cfg.grad_clip > 0  # chain(clip, adamw): the clip's state is empty
-        updates, adam = adamw.update(grads, opt_state[1] if clipped else opt_state, params)
-        opt_state = (opt_state[0], adam) if clipped else adam
-        params = optax.apply_updates(params, updates)
+        params, opt_state = stepped(params, opt_state)
         if "load" in metrics and rate > 0:
             biases = jax.tree.map(lambda b: update_bias(b, metrics["load"], rate), biases)
         return params, opt_state, biases
@@ -221,6 +232,11 @@ def apply_gradients(config: Config, state: TrainState, metrics: dict, grads, lr)
         skipped=1 - finite.astype(jnp.int32),
     )
     return TrainState(state.step + 1, params, biases, opt_state, rng), metrics
+
+
+def _all_finite(tree) -> jax.Array:
+    """Whether every element of every array of `tree` is finite (a scalar bool)."""
+    return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)]))
 
 
 def eval_step(graphdef, config: Config, state: TrainState, batch) -> jax.Array:

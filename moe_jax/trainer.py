@@ -97,22 +97,39 @@ FIXED_ON_RESUME = (
 )
 
 
-def _resume_changes(ours: dict, saved: dict, step: int) -> list[str]:
-    """Lines naming the settings that differ from the checkpoint's; a ValueError for one
-    that cannot change."""
+def _resume_changes(ours: dict, saved: dict, step: int, directory: Path) -> list[str]:
+    """Lines naming the settings that differ from the checkpoint's; one ValueError naming
+    every setting that cannot change (the model's, and from step 1 on those the data
+    position depends on), all at once, so one retry is enough."""
     flat = lambda c: {f"{s}.{k}": v for s, section in c.items() for k, v in section.items()}
-    ours, saved = flat(ours), flat(saved)
-    changed = [k for k in sorted(ours) if k in saved and ours[k] != saved[k]]
-    for key in changed:
-        if key in FIXED_ON_RESUME:
-            raise ValueError(
-                f"{key}={ours[key]!r} here but {saved[key]!r} in the checkpoint of step {step}: "
-                "the data position cannot carry over; use the checkpoint's value or a new "
-                "--workdir"
-            )
-    if not changed:
+    ours_flat, saved_flat = flat(ours), flat(saved)
+    changed = [k for k in sorted(ours_flat) if k in saved_flat and ours_flat[k] != saved_flat[k]]
+    model, model_saved = checkpoint.architecture(ours), checkpoint.architecture(saved)
+    refused = {
+        "another model": [
+            (k, model.get(k), model_saved.get(k))
+            for k in sorted(set(model) | set(model_saved))
+            if model.get(k) != model_saved.get(k)
+        ],
+        "the data position cannot carry over": [
+            (k, ours_flat[k], saved_flat[k]) for k in changed if step and k in FIXED_ON_RESUME
+        ],
+    }
+    groups = [
+        ", ".join(f"{k}={here!r} here but {there!r} there" for k, here, there in found)
+        + f" ({why})"
+        for why, found in refused.items()
+        if found
+    ]
+    if groups:
+        raise ValueError(
+            f"{directory} holds a checkpoint (step {step}) that these settings cannot resume: "
+            f"{'; '.join(groups)}; use the checkpoint's values (without --config, the run's "
+            "saved settings are the defaults) or a new --workdir"
+        )
+    if not changed or not step:
         return []
-    listed = ", ".join(f"{k}={ours[k]!r} (was {saved[k]!r})" for k in changed)
+    listed = ", ".join(f"{k}={ours_flat[k]!r} (was {saved_flat[k]!r})" for k in changed)
     return [f"resuming step {step} with changed settings: {listed}"]
 
 
@@ -180,15 +197,17 @@ def run(config: config_lib.Config, workdir: str | Path) -> dict[str, Any]:
         train_batches = pipeline.make_iterator(config, "train", rows)
         pipeline.make_iterator(config, "val", rows, shuffle=False)  # fails early on a bad split
         config_dict = dataclasses.asdict(config)
-        checkpoints.check_compatible(config_dict)
+        found = checkpoints.newest_readable()
+        changes = (
+            _resume_changes(config_dict, found[1], found[0], checkpoints.directory) if found else []
+        )
         _check_own_config_json(workdir)
         read_rows(workdir / "metrics.jsonl")  # a line damaged mid-file stops it here
-        found = checkpoints.newest_readable()
         if found is None:
             _check_not_all_damaged(checkpoints)
         start = found[0] if found else 0
         if start:
-            for line in _resume_changes(config_dict, found[1], start):
+            for line in changes:
                 say(line)
             if tc.steps <= start:
                 say(f"already complete at step {start} (train.steps={tc.steps}); nothing to do")
@@ -264,7 +283,7 @@ def _train(config, workdir: Path, layout, graphdef, placed, checkpoints, train_b
     try:
         wandb = (tc.wandb, tc.wandb_project, config_dict)
         logger = MetricsLogger(workdir, tc.steps, start, enabled=process == 0, wandb=wandb)
-    except ValueError as error:  # a damaged metrics.jsonl
+    except ValueError as error:  # a damaged metrics.jsonl, or W&B that did not start
         raise RunError(str(error)) from None
     tokens_per_step = tc.batch_size * tc.seq_len
     flops_per_step = flops.flops_per_token(config.model, config.moe, tc.seq_len) * tokens_per_step
@@ -312,7 +331,10 @@ def _train(config, workdir: Path, layout, graphdef, placed, checkpoints, train_b
                     jax.block_until_ready(metrics)
                     bad_in_a_row, skipped = (int(x) for x in jax.device_get(bad))
                     if skipped:
-                        say(f"steps {logged + 1}-{step}: {skipped} non-finite losses skipped")
+                        say(
+                            f"steps {logged + 1}-{step}: {skipped} skipped (a non-finite loss, "
+                            "gradient or update)"
+                        )
                     if bad_in_a_row >= tc.max_bad_steps:
                         last_good = checkpoints.latest_step()
                         where = (
@@ -321,8 +343,8 @@ def _train(config, workdir: Path, layout, graphdef, placed, checkpoints, train_b
                             else "no checkpoint was saved before it"
                         )
                         raise RunError(
-                            f"stopping: {bad_in_a_row} steps in a row had a non-finite loss "
-                            f"(train.max_bad_steps={tc.max_bad_steps}); {where}"
+                            f"stopping: {bad_in_a_row} steps in a row had a non-finite loss, "
+                            f"gradient or update (train.max_bad_steps={tc.max_bad_steps}); {where}"
                         )
                     bad, logged = (bad[0], jnp.zeros((), jnp.int32)), step
                     now = time.perf_counter()

@@ -140,7 +140,8 @@ CASES = [
         "resume_changed_batch_size",
         "train",
         [*TRAINED, WORKDIR, "--config.train.batch_size=8"],
-        "train.batch_size=8 here but 4 in the checkpoint of step 4",
+        "holds a checkpoint (step 4)",
+        "train.batch_size=8 here but 4 there",
         setup=Place.trained,
     ),
     _c(
@@ -161,8 +162,8 @@ CASES = [
         "resume_another_model",
         "train",
         [*TRAINED, WORKDIR, "--config.model.num_layers=3"],
-        "holds a checkpoint (step 4) of another model",
-        "model.num_layers=2 there, 3 here",
+        "holds a checkpoint (step 4)",
+        "model.num_layers=3 here but 2 there (another model)",
         setup=Place.trained,
     ),
     _c(

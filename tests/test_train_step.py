@@ -169,3 +169,35 @@ def test_each_step_updates_at_its_scheduled_rate_as_optax_adamw(clip: float):
             np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-7)
     assert [float(x) for x in rates(cfg)][:3] == pytest.approx([0.0, 5e-3, 1e-2])
     assert jax.tree.structure(state.opt_state) == jax.tree.structure(opt_state)
+
+
+def test_a_step_whose_update_overflows_is_skipped_like_a_non_finite_loss():
+    """The rate inf (data to the trainer's program, which the test above compiled) leaves
+    the loss and gradients finite but would make every parameter non-finite: the step
+    changes nothing but the step counter and reports skipped=1, exactly as a step whose
+    loss is NaN does; the same step at a finite rate updates."""
+    train = dict(steps=5, warmup_steps=2, learning_rate=1e-2, weight_decay=0.1, grad_clip=1.0)
+    config = dataclasses.replace(SMALL, train=dataclasses.replace(SMALL.train, **train))
+    graphdef, state = init_state(config)
+    step = jax.jit(partial(train_step, graphdef, config))
+    before = jax.device_get(state)
+    after, metrics = step(state, _batch(), np.float32(np.inf))
+    assert int(metrics["skipped"]) == 1
+    assert np.isfinite(float(metrics["loss"])) and np.isfinite(float(metrics["grad_norm"]))
+    assert int(after.step) == int(before.step) + 1
+    kept = (after.params, after.opt_state, after.biases)
+    for got, want in zip(
+        jax.tree.leaves(kept),
+        jax.tree.leaves((before.params, before.opt_state, before.biases)),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(got, want)
+    poison = lambda x: x.at[(0,) * x.ndim].set(np.nan)
+    nan_params = jax.tree.map(poison, state.params)
+    _, nan_metrics = step(dataclasses.replace(state, params=nan_params), _batch(), np.float32(1e-2))
+    assert int(nan_metrics["skipped"]) == 1 and not np.isfinite(float(nan_metrics["loss"]))
+    updated, good = step(state, _batch(), np.float32(1e-2))
+    assert int(good["skipped"]) == 0
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(updated.params))
+    pairs = zip(jax.tree.leaves(updated.params), jax.tree.leaves(before.params), strict=True)
+    assert any(not np.array_equal(a, b) for a, b in pairs)

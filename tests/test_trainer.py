@@ -299,17 +299,23 @@ def test_checkpoint_of_incompatible_config_is_rejected(tmp_path: Path):
     _assert_rejected(other, run, "model.embed_dim", "32", "64")
 
 
-def test_non_finite_losses_stop_the_run(tmp_path: Path):
-    """An absurd learning rate makes the loss overflow: updates are skipped, then the run stops."""
-    run = tmp_path / "run"
-    cfg = tiny_config(steps=50, learning_rate=1e30, warmup_steps=0, grad_clip=0.0)
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_bad_steps=3))
-    with pytest.raises(trainer.RunError, match=r"train\.max_bad_steps=3") as error:
-        trainer.run(cfg, run)
-    assert "no checkpoint was saved before it" in str(error.value)  # none exists to name
-    assert not list((run / "checkpoints").glob("*")) or all(
-        p.name.isdigit() for p in (run / "checkpoints").iterdir()
-    )
+def test_steps_whose_update_is_not_finite_are_skipped_and_stop_the_run(tmp_path, capsys):
+    """A learning rate of inf (past the config's own check, which refuses it) keeps the
+    loss and gradients finite but makes the update non-finite: each step is skipped and
+    counted as a non-finite loss is (the log line, `skipped_steps_in_a_row`, the stop at
+    train.max_bad_steps), and nothing non-finite is ever saved. (That a NaN loss sets the
+    same `skipped` the trainer counts: tests/test_train_step.py.)"""
+    cfg = tiny_config(steps=4, eval_every=0, warmup_steps=0)
+    train = dataclasses.replace(cfg.train, learning_rate=float("inf"), max_bad_steps=2)
+    with pytest.raises(trainer.RunError, match=r"2 steps in a row .*train\.max_bad_steps=2"):
+        trainer.run(dataclasses.replace(cfg, train=train), tmp_path / "run")
+    rows = read_rows(tmp_path / "run" / "metrics.jsonl")
+    assert [(r["step"], r["skipped_steps_in_a_row"]) for r in rows] == [(1, 1)]
+    assert np.isfinite(rows[0]["loss"]) and np.isfinite(rows[0]["grad_norm"])
+    out = capsys.readouterr().out
+    assert "steps 1-1: 1 skipped (a non-finite loss, gradient or update)" in out
+    assert "steps 2-2: 1 skipped" in out
+    assert not list((tmp_path / "run" / "checkpoints").glob("[0-9]*"))
 
 
 def test_profile_writes_a_trace(tmp_path: Path):
@@ -422,3 +428,25 @@ def test_wandb_offline_logs_every_row_into_the_workdir(tmp_path, monkeypatch):
     losses = [row["loss"] for row in read_rows(tmp_path / "metrics.jsonl") if "loss" in row]
     assert len(losses) == 3
     assert all(json.dumps(loss).encode() in data for loss in losses)
+
+
+def test_wandb_credentials_are_found_where_wandb_looks(tmp_path):
+    """`train.wandb=online` is refused up front only when wandb would find no key: none
+    in the environment, in the netrc entry `wandb login` writes for its host (another
+    host's does not count), or in its settings file."""
+    from moe_jax.metrics import wandb_credentials
+
+    home = {"HOME": str(tmp_path)}
+    assert not wandb_credentials(home)
+    assert wandb_credentials({**home, "WANDB_API_KEY": "k" * 40})
+    (tmp_path / ".netrc").write_text("machine example.com login user password k\n")
+    assert not wandb_credentials(home)
+    (tmp_path / ".netrc").write_text("machine api.wandb.ai login user password k\n")
+    assert wandb_credentials(home)
+    assert not wandb_credentials({**home, "WANDB_BASE_URL": "https://wandb.example.com"})
+    settings = tmp_path / "wandb-config" / "settings"
+    settings.parent.mkdir()
+    settings.write_text("[default]\napi_key = k\n")
+    assert wandb_credentials(
+        {**home, "NETRC": "/nonexistent", "WANDB_CONFIG_DIR": str(settings.parent)}
+    )
