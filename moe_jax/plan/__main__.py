@@ -60,14 +60,15 @@ KEPT = "token_dtype, grad_exchange, vocab_parallel, a2a_buffer_factor"
 def define_flags() -> None:
     """Defined only when run as a program (moe_jax.train owns a --config flag too)."""
     cli.define_config_flag()
-    flags.DEFINE_integer("gpus", None, "GPUs in the cluster.", lower_bound=1, upper_bound=MAX_GPUS)
+    flags.DEFINE_integer(
+        "gpus", None, f"GPUs in the cluster (at most {MAX_GPUS:,}).", lower_bound=1
+    )
     flags.DEFINE_enum("gpu", "h800", sorted(GPUS), "GPU preset.", case_sensitive=False)
     flags.DEFINE_integer(
         "global-batch",
         0,
         "Sequences per step (0: train.batch_size).",
         lower_bound=0,
-        upper_bound=MAX_BATCH,
     )
     flags.DEFINE_integer("pp", 0, "Pipeline stages (0: search them).", lower_bound=0)
     flags.DEFINE_enum(
@@ -102,6 +103,11 @@ def ignored_overrides(argv: list[str]) -> str | None:
     return None
 
 
+def _overridden(name: str) -> bool:
+    """Whether the command line gives `--config.<name>`."""
+    return any(a == f"--config.{name}" or a.startswith(f"--config.{name}=") for a in sys.argv)
+
+
 def file_config(name: str) -> config_lib.Config:
     """The config file's own settings, without the command line's overrides: what
     `python -m moe_jax.train --config=FILE` starts from."""
@@ -123,6 +129,10 @@ def _base(config: config_lib.Config, name: str) -> tuple[config_lib.Config, str]
 
 def check_flags(config: config_lib.Config, gpus: int, batch: int, batch_name: str, pp: int):
     """One-line ValueErrors for flags no plan can satisfy, before the search."""
+    if gpus > MAX_GPUS:
+        raise ValueError(f"--gpus={gpus}: at most {MAX_GPUS} GPUs")
+    if batch > MAX_BATCH:
+        raise ValueError(f"{batch_name}={batch}: at most {MAX_BATCH} sequences")
     if batch < 1:
         raise ValueError(f"{batch_name}={batch}: the global batch must be at least 1 sequence")
     if pp:
@@ -232,6 +242,11 @@ def main(argv: list[str]) -> None:
         config = config_lib.load(f.config)
         base, command = _base(config, config_name)
         given = f["global-batch"].value
+        if given and _overridden("train.batch_size") and given != config.train.batch_size:
+            raise ValueError(
+                f"--global-batch={given} and --config.train.batch_size="
+                f"{config.train.batch_size} disagree; give one of them"
+            )
         request = Request(
             gpus=f.gpus,
             gpu=f.gpu.lower(),
