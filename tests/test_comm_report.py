@@ -309,10 +309,14 @@ def test_forward_all_to_alls_are_the_predicted_exchanges():
     assert all(c["role"] == "activation" for c in a2a)
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
+def _cli(*args: str, platforms: str | None = "cpu") -> subprocess.CompletedProcess:
+    """The command on 8 CPU devices; `platforms=None` leaves jax to probe its backends
+    (TPU among them), as a user's machine does."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-    env["JAX_PLATFORMS"] = "cpu"
+    env.pop("JAX_PLATFORMS", None)
+    if platforms:
+        env["JAX_PLATFORMS"] = platforms
     return subprocess.run(
         [sys.executable, "-m", "moe_jax.tools.comm_report", *args],
         cwd=ROOT,
@@ -324,8 +328,11 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_cli_json_last_line():
-    run = _cli("--config.parallel.intra=4", "--config.parallel.attention=sp", "--json")
+    run = _cli(
+        "--config.parallel.intra=4", "--config.parallel.attention=sp", "--json", platforms=None
+    )
     assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stderr == ""  # no backend probing (TPU) or other library noise
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert (result["attention"], result["experts"], result["n"]) == ("sp", "ep_a2a", 4)
     assert set(result["activation_bytes_per_layer"]) >= {"measured", "predicted"}

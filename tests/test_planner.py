@@ -121,16 +121,17 @@ def test_every_pipeline_planned_is_one_the_trainer_runs(name: str, gpus: int, ba
 
 
 def test_choose_plan_pipelines_only_without_grad_accum():
-    """Mixtral-8x7B's first 8 layers on 16 GPUs (two nodes): the trainer is given a
-    pipeline it runs on these devices, its micro-batches as its accumulation; a
-    configured train.grad_accum rules pipelines out."""
+    """Mixtral-8x7B's first 8 layers on 16 GPUs (two nodes), 128 sequences a step (too
+    many for one pass of a data group): the trainer is given a pipeline it runs on
+    these devices, its micro-batches as its accumulation; a configured
+    train.grad_accum rules pipelines out."""
     from moe_jax.plan.resolve import check_plan
 
     mixtral = load("mixtral_8x7b")
     config = dataclasses.replace(
         mixtral,
         model=dataclasses.replace(mixtral.model, num_layers=8),
-        train=dataclasses.replace(mixtral.train, batch_size=16),
+        train=dataclasses.replace(mixtral.train, batch_size=128),
     )
     chosen = planner.choose_plan(config, 16, "h800")
     assert chosen.stages > 1 and chosen.microbatches % chosen.stages == 0
@@ -442,7 +443,10 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize(
     "config,gpus,batch,pp,verdict",
-    [("megascale_352b", 1440, 720, 15, "R > 1"), ("deepseek_moe_16b", 64, 1024, 1, "R < 1")],
+    [
+        ("megascale_352b", 1440, 720, 15, "ratio > 1"),
+        ("deepseek_moe_16b", 64, 1024, 1, "ratio < 1"),
+    ],
 )
 def test_cli_json_last_line(config: str, gpus: int, batch: int, pp: int, verdict: str):
     """The issue's command for the 352B model (its plans fit in 80 GB only when a
@@ -464,6 +468,12 @@ def test_cli_json_last_line(config: str, gpus: int, batch: int, pp: int, verdict
     assert (result["baseline"]["attention"], result["baseline"]["experts"]) == ("tp", "etp")
     ratio = result["best"]["tokens_per_sec"] / result["baseline"]["tokens_per_sec"]
     assert result["speedup"] == pytest.approx(ratio) and ratio >= 1
+    # the flags that run the winner, printed under the table; --pp restricted the search,
+    # so layout=auto (which searches every depth) is not promised to pick the same plan
+    assert f"\n  {result['flags']}\n" in run.stdout and f"--config.parallel.stages={pp}" in (
+        result["flags"] if pp > 1 else f"--config.parallel.stages={pp}"
+    )
+    assert result["auto_flags"] is None and "with --pp restricting this search" in run.stdout
 
 
 @pytest.mark.parametrize("flag", ["--bogus=1", "--gpu=v100", "--compare=deepspeed"])

@@ -9,6 +9,7 @@ model says so term by term, so the choice can be read and argued with.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Iterator
 
@@ -77,8 +78,12 @@ class Ranking:
         return self.candidates[0]
 
 
-def _divisors(value: int) -> list[int]:
-    return [d for d in range(1, value + 1) if value % d == 0]
+def _divisors(value: int, most: int | None = None) -> list[int]:
+    """The divisors of `value` (up to `most`), ascending; in O(sqrt(value)) steps, so a
+    huge cluster or batch is answered at once."""
+    small = [d for d in range(1, math.isqrt(value) + 1) if value % d == 0]
+    found = sorted(set(small) | {value // d for d in small})
+    return [d for d in found if most is None or d <= most]
 
 
 def problem(
@@ -160,7 +165,7 @@ def plans(
                 continue
             data = gpus // (n * p)
             per_group = global_batch // data if global_batch % data == 0 else 0
-            sizes = [b for b in _divisors(per_group) if b <= MAX_MICRO_BATCH] if per_group else []
+            sizes = _divisors(per_group, MAX_MICRO_BATCH) if per_group else []
             if micro_batches:
                 sizes = [per_group // micro_batches] if per_group % micro_batches == 0 else []
             if micro_batch:
@@ -225,6 +230,11 @@ def _layouts(n: int, data: int, attention: tuple[str, ...], experts: tuple[str, 
     ]
 
 
+# Predictions are pure functions of frozen settings: the trainer's `layout=auto` after
+# `python -m moe_jax.plan` in one process (its tests) ranks the same plans once.
+_step_cost = functools.lru_cache(maxsize=1 << 15)(cost_model.step_cost)
+
+
 def fits(memory, gpu: GPU) -> bool:
     return memory.total <= gpu.memory_bytes * USABLE_MEMORY
 
@@ -249,7 +259,7 @@ def rank(
     batch = global_batch or config.train.batch_size
     eff = eff or Efficiency()
     costs = [
-        cost_model.step_cost(config, plan, gpu, batch, eff)
+        _step_cost(config, plan, gpu, batch, eff)
         for plan in plans(config, gpus, gpu, batch, pp, overlap, **restrict)
     ]
     costs.sort(key=lambda c: (round(c.step_s, 9), c.plan.label, c.plan.parallel.etp))
@@ -318,41 +328,43 @@ def megatron_baseline(
     )
 
 
-def choose_plan(config: Config, num_devices: int, gpu: GPU | str = "h800") -> ParallelConfig:
-    """The fastest plan the trainer can run on `num_devices` devices of this process's
-    backend, as the `config.parallel` to run, its pipeline's settings among them. The
-    batch and `train.grad_accum` stay as configured: a pipeline only where grad_accum is
-    1 (its micro-batches are the accumulation), none otherwise. Gradients sync as the
-    trainer compiles them, and plans the layout specs reject for these devices are
-    skipped."""
-    import jax  # only the trainer's path needs the backend
+def choose_plan(
+    config: Config, num_devices: int, gpu: GPU | str = "h800", platform: str | None = None
+) -> ParallelConfig:
+    """The fastest plan the trainer can run on `num_devices` devices of `platform`
+    (default: this process's backend), as the `config.parallel` to run, its pipeline's
+    settings among them: `python -m moe_jax.plan`'s first plan for the same GPU preset,
+    devices and batch (one search, one order), less the plans this config does not
+    take. The batch and `train.grad_accum` stay as configured: a pipeline only where
+    grad_accum is 1 (its micro-batches are the accumulation), none otherwise; and plans
+    the layout specs reject for these devices are skipped."""
+    if platform is None:
+        import jax  # only the trainer's path needs the backend
 
-    platform = jax.default_backend()
+        platform = jax.default_backend()
     batch = config.train.batch_size
 
     def runs(plan: Plan) -> bool:
+        if plan.grad_accum != config.train.grad_accum:
+            return False
         return not registry.problems(plan.config(config, batch), num_devices, platform)
 
-    search = dict(gpu=gpu, limit=1, grad_sync="per_micro_batch")
-    flat = rank(
-        config,
-        num_devices,
-        pp=1,
-        accept=runs,
-        micro_batches=config.train.grad_accum,
-        **search,
+    # `parallel.gpu` only names the preset: ranked without it, as the planner ranks
+    searched = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, gpu=""))
+    # with accumulation, only the plans without a pipeline of that many micro-batches
+    fewer = (
+        {} if config.train.grad_accum == 1 else dict(pp=1, micro_batches=config.train.grad_accum)
     )
-    found = flat.candidates
-    if config.train.grad_accum == 1:
-        piped = rank(config, num_devices, accept=runs, min_pp=2, **search)
-        found = sorted(found + piped.candidates, key=lambda c: c.cost.step_s)
-    return (found[0].plan if found else flat.best.plan).parallel
+    ranking = rank(searched, num_devices, gpu, batch, accept=runs, limit=1, **fewer)
+    best = ranking.best.plan.parallel
+    return dataclasses.replace(best, gpu=config.parallel.gpu)
 
 
 def compute_comm_ratio(config: Config, gpu: GPU | str, n: int | None = None) -> float:
-    """The paper's R = 3/2 * h_ffn * bandwidth / peak * n / (n - 1): expert GEMM time over
-    the time to exchange its tokens (NVLink bandwidth as datasheets quote it, as the
-    paper does). R > 1: the exchange can hide behind the expert GEMMs."""
+    """The paper's scale-up criterion (its "R"; printed as "ratio" here, where R names the
+    pipeline's repeats) = 3/2 * h_ffn * bandwidth / peak * n / (n - 1): expert GEMM time
+    over the time to exchange its tokens (NVLink bandwidth as datasheets quote it, as the
+    paper does). Above 1: the exchange can hide behind the expert GEMMs."""
     gpu = get(gpu) if isinstance(gpu, str) else gpu
     n = n or gpu.gpus_per_node
     h_ffn = config.moe.expert_mlp_dim
@@ -361,8 +373,8 @@ def compute_comm_ratio(config: Config, gpu: GPU | str, n: int | None = None) -> 
 
 def verdict(ratio: float) -> str:
     if ratio > 1:
-        return "R > 1: token exchange can hide behind the expert GEMMs"
-    return "R < 1: the expert GEMMs are too short to hide the token exchange"
+        return "ratio > 1: token exchange can hide behind the expert GEMMs"
+    return "ratio < 1: the expert GEMMs are too short to hide the token exchange"
 
 
 COMPUTE = (
@@ -387,9 +399,9 @@ def explain(candidate: Candidate, gpu: GPU, runner_up: Candidate | None = None) 
     comm = sum(b.get(k, 0.0) for k in EXCHANGES)
     p = cost.plan
     lines = [
-        f"why {p.label} (n={p.parallel.intra}, pp={p.parallel.stages}, "
-        f"repeats={p.parallel.repeats}, data={p.parallel.data}, "
-        f"micro-batch={cost.micro_batch}): step {step:.4g} s",
+        f"why {p.label} (intra={p.parallel.intra}, stages={p.parallel.stages}, "
+        f"repeats={p.parallel.repeats}, data={p.parallel.data}, {cost.micro_batches} "
+        f"micro-batches of {cost.micro_batch} sequences): step {step:.4g} s",
         f"  compute {compute:.4g} s: " + ", ".join(f"{k} {share(k)}" for k in COMPUTE if b.get(k)),
         f"  exposed communication {comm:.4g} s: "
         + (", ".join(f"{k} {share(k)}" for k in EXCHANGES if b.get(k)) or "none"),
@@ -411,7 +423,7 @@ def explain(candidate: Candidate, gpu: GPU, runner_up: Candidate | None = None) 
         big = [kv for kv in sorted(deltas.items(), key=lambda kv: -abs(kv[1])) if kv[1]]
         big = [kv for kv in big if abs(kv[1]) > 1e-3 * step]
         lines.append(
-            f"  vs the best other layout, {other.plan.label} (n={other.plan.parallel.intra}, "
+            f"  vs the best other layout, {other.plan.label} (intra={other.plan.parallel.intra}, "
             f"{other.step_s:.4g} s, {other.step_s / step:.2f}x): "
             + (", ".join(f"{k} {v:+.3g} s" for k, v in big[:3]) or "no term differs")
         )

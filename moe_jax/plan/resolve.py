@@ -38,15 +38,16 @@ def planner_gpu(config: Config) -> str:
     return "h800"
 
 
-def resolve(config: Config, num_devices: int) -> Config:
-    """The plan made concrete for `num_devices` devices (see the module docstring)."""
+def resolve(config: Config, num_devices: int, platform: str | None = None) -> Config:
+    """The plan made concrete for `num_devices` devices of `platform` (default: this
+    process's backend; see the module docstring)."""
     if config.parallel.layout == "auto":
         from moe_jax.plan.planner import choose_plan
 
         manual = dataclasses.replace(config.parallel, layout="manual")
         config = dataclasses.replace(config, parallel=manual)
         config = dataclasses.replace(
-            config, parallel=choose_plan(config, num_devices, planner_gpu(config))
+            config, parallel=choose_plan(config, num_devices, planner_gpu(config), platform)
         )
     p = config.parallel
     if p.experts == "auto":
@@ -69,6 +70,6 @@ def check_plan(config: Config, num_devices: int, platform: str | None = None) ->
         import jax
 
         platform = jax.default_backend()
-    config = resolve(config, num_devices)
+    config = resolve(config, num_devices, platform)
     registry.check(config, num_devices, platform)
     return config

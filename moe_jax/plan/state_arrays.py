@@ -117,12 +117,22 @@ def block_params(config: Config) -> dict[str, float]:
     """Parameters one device holds of one dense layer ('dense'), one MoE layer ('moe') and
     the embedding table ('table'), as the plan places them, for the cost model's gradient
     accumulation and optimizer times. A layer's share: its stacked arrays' over the units
-    they stack (counted without a pipeline, which splits only the units over 'stage')."""
+    they stack (counted without a pipeline, which splits only the units over 'stage').
+    Computed once per placement: the planner asks for thousands of plans that differ only
+    in their schedule, overlap and batch, which place no parameter differently."""
     p = config.parallel
-    flat = dataclasses.replace(config, parallel=dataclasses.replace(p, stages=1, repeats=1))
+    placed = dataclasses.replace(
+        p, stages=1, repeats=1, microbatches=1, overlap_chunks=1, collective_matmul=False
+    )
+    train = dataclasses.replace(config.train, batch_size=1, grad_accum=1)
+    return dict(_block_params(dataclasses.replace(config, parallel=placed, train=train)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _block_params(flat: Config) -> dict[str, float]:
     moe_block = {}  # (stack, block in the unit) -> is MoE, by the model's own rule
-    for layer in range(config.model.num_layers):
-        stack, _, block, moe = config.model.block_of(layer)
+    for layer in range(flat.model.num_layers):
+        stack, _, block, moe = flat.model.block_of(layer)
         moe_block[stack, block] = moe
     layers: dict[tuple[str, int], float] = {}
     out = {"table": 0.0}

@@ -49,10 +49,11 @@ from absl import app, flags
 from moe_jax import cli
 from moe_jax import config as config_lib
 from moe_jax.parallel import mesh as mesh_lib
-from moe_jax.parallel import scopes
+from moe_jax.parallel import registry, scopes
 from moe_jax.plan import comm_volume, param_traffic
 from moe_jax.plan.describe import plan_line
 from moe_jax.plan.resolve import check_plan
+from moe_jax.signals import interruptible
 from moe_jax.tools import hlo_collectives, lowered_dtypes
 from moe_jax.train_state import init_state
 from moe_jax.train_step import RATE, step_shardings, train_step
@@ -236,10 +237,8 @@ def compare(config: config_lib.Config, plans: list[str], compiler_options=None) 
     """One report per `attention+experts` plan, all else as in `config`; every plan is
     validated before the first compiles."""
     configs = []
-    for plan in plans:
+    for plan in compare_entries(plans):
         attention, _, experts = plan.partition("+")
-        if not experts:
-            raise ValueError(f"--compare entry {plan!r} must look like attention+experts")
         parallel = dataclasses.replace(config.parallel, attention=attention, experts=experts)
         one = dataclasses.replace(config, parallel=parallel)
         config_lib.validate(one)
@@ -253,6 +252,21 @@ def compare(config: config_lib.Config, plans: list[str], compiler_options=None) 
             )
         configs.append(one)
     return [report(one, compiler_options) for one in configs]
+
+
+def compare_entries(plans: list[str]) -> list[str]:
+    """The `--compare` entries, or a one-line ValueError naming the first that is
+    malformed, repeated or names no layout."""
+    valid = f"attention in {sorted(registry.ATTENTION)}, experts in {sorted(registry.EXPERTS)}"
+    for i, plan in enumerate(plans):
+        attention, _, experts = plan.partition("+")
+        if not attention or not experts or "+" in experts:
+            raise ValueError(f"--compare entry {plan!r} must look like attention+experts ({valid})")
+        if attention not in registry.ATTENTION or experts not in (*registry.EXPERTS, "auto"):
+            raise ValueError(f"--compare entry {plan!r} names no layout; valid: {valid}")
+        if plan in plans[:i]:
+            raise ValueError(f"--compare entry {plan!r} is given twice; list each plan once")
+    return plans
 
 
 def format_comparison(results: list[dict]) -> str:
@@ -281,6 +295,7 @@ def define_flags() -> None:
     flags.DEFINE_list("compare", [], "attention+experts plans to compare, e.g. tp+etp,sp+ep_a2a.")
 
 
+@interruptible("the report")
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise SystemExit(
