@@ -9,6 +9,8 @@
   interpreter; it must exit 0) or `output` (the exact stdout of the `bash test` block
   before it). The test blocks are cheap: no training, nothing big compiled.
 * Every relative link in those files points at a file that exists.
+* README.md's count of bad-input cases is the number that `tests/test_bad_inputs*.py`
+  run, and every command has at least five.
 
 Rule for the default column: the cell is one Python literal in backticks (`8`, `0.003`,
 `1e-6`, `True`, `'softmax'`, `''`). It is read with `ast.literal_eval` and must equal the
@@ -19,7 +21,9 @@ dataclass default and have the same type, so `0.003` and `3e-3` are both accepte
 from __future__ import annotations
 
 import ast
+import collections
 import dataclasses
+import importlib
 import os
 import pathlib
 import re
@@ -265,3 +269,15 @@ def test_relative_links_point_at_files_and_headings_that_exist():
             ):
                 broken.append(f"{page.relative_to(ROOT)}: {match['target']}")
     assert not broken, "links to files or headings that do not exist:\n  " + "\n  ".join(broken)
+
+
+def test_readme_counts_the_bad_input_cases():
+    modules = sorted((ROOT / "tests").glob("test_bad_inputs*.py"))
+    cases = [c for m in modules for c in importlib.import_module(f"tests.{m.stem}").CASES]
+    per_command = collections.Counter(case.command for case in cases)
+    from tests.commands import COMMANDS
+
+    assert {command: per_command[command] for command in COMMANDS if per_command[command] < 5} == {}
+    said = re.search(r"(\d+) bad-input cases", (ROOT / "README.md").read_text())
+    assert said, "README.md does not say how many bad-input cases the tests run"
+    assert int(said[1]) == len(cases), f"README.md says {said[1]}; the tests run {len(cases)}"
