@@ -44,9 +44,24 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _hf(*args: str) -> None:
+# The transformers side's `build ARCH OUT` or `logits DIR NPZ` for several pairs in one
+# Python: the script's functions called in turn, torch and transformers imported once.
+_EACH_PAIR = """
+import runpy, sys
+from pathlib import Path
+side = runpy.run_path(sys.argv[1])
+command, args = sys.argv[2], sys.argv[3:]
+for first, second in zip(args[::2], args[1::2], strict=True):
+    if command == "build":
+        side["build"](first, Path(second))
+    else:
+        side["logits"](Path(first), Path(second))
+"""
+
+
+def _hf(command: str, *pairs: str | Path) -> None:
     run = subprocess.run(
-        [str(HF_PYTHON), str(TRANSFORMERS_SIDE), *map(str, args)],
+        [str(HF_PYTHON), "-c", _EACH_PAIR, str(TRANSFORMERS_SIDE), command, *map(str, pairs)],
         capture_output=True,
         text=True,
         timeout=300,
@@ -54,23 +69,49 @@ def _hf(*args: str) -> None:
     assert run.returncode == 0, run.stderr[-3000:]
 
 
-@cache
-def _built(architecture: str, root: Path) -> Path:
-    out = root / architecture
-    _hf("build", architecture, out)
-    return out
-
-
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
+    """Every family's tiny random model, built by one run of the transformers side (one
+    import of torch and transformers for all of them)."""
     root = tmp_path_factory.mktemp("hf")
-    return lambda architecture: _built(architecture, root)
+    _hf("build", *(arg for arch in MOE + DENSE for arg in (arch, root / arch)))
+    return lambda architecture: root / architecture
 
 
 def _import(hf: Path, workdir: Path, parallel=DATA_PARALLEL) -> config_lib.Config:
     return commands.import_hf(
         hf, workdir, dataclasses.replace(config_lib.Config(), parallel=parallel)
     )
+
+
+@pytest.fixture(scope="module")
+def imported(built, tmp_path_factory):
+    """Each family imported under DATA_PARALLEL, once for the tests that read the run
+    (nothing writes to it)."""
+    root = tmp_path_factory.mktemp("imported")
+
+    @cache
+    def run(architecture: str) -> Path:
+        _import(built(architecture) / "hf", root / architecture)
+        return root / architecture
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def exported(built, imported, tmp_path_factory):
+    """Each MoE family's import exported in several shards ((directory, what export_hf
+    returned)), and transformers' logits and choices of each export in
+    directory/logits.npz, from one run of the transformers side."""
+    root = tmp_path_factory.mktemp("exported")
+    results = {
+        arch: commands.export_hf(
+            imported(arch), root / arch, DATA_PARALLEL, None, "float32", shard_gb=2e-5
+        )
+        for arch in MOE
+    }
+    _hf("logits", *(arg for arch in MOE for arg in (root / arch, built(arch) / "reference.npz")))
+    return lambda architecture: (root / architecture, results[architecture])
 
 
 def _outputs(workdir: Path, tokens: np.ndarray, parallel=DATA_PARALLEL):
@@ -132,7 +173,10 @@ def _expert_choices(workdir: Path, tokens: np.ndarray) -> np.ndarray:
     return np.sort(np.asarray(jax.jit(run)(tokens.astype(np.int32))), axis=-1)
 
 
+@cache
 def _params(workdir: Path) -> dict[str, np.ndarray]:
+    """The canonical parameters of the run in `workdir` (read once per run: the tests
+    only read them)."""
     *_, state = saved_run.restore(workdir, DATA_PARALLEL)
     return {k: np.asarray(v) for k, v in param_paths(state.params).items()}
 
@@ -145,39 +189,35 @@ def _assert_identical(a: dict, b: dict) -> None:
 
 @pytest.mark.parametrize("architecture", MOE + DENSE)
 def test_imported_model_gives_transformers_logits_and_expert_choices(
-    built, tmp_path, architecture: str
+    built, imported, tmp_path, architecture: str
 ):
     source = built(architecture)
     reference = dict(np.load(source / "reference.npz"))
-    _import(source / "hf", tmp_path / "run")
-    _assert_matches(reference, *_outputs(tmp_path / "run", reference["tokens"]))
+    run = imported(architecture)
+    _assert_matches(reference, *_outputs(run, reference["tokens"]))
     if architecture in MOE:  # the same experts for every token of every MoE layer
-        chosen = _expert_choices(tmp_path / "run", reference["tokens"])
+        chosen = _expert_choices(run, reference["tokens"])
         np.testing.assert_array_equal(chosen, np.sort(reference["chosen"], axis=-1))
     if architecture in MOE:  # the fused expert layout imports to the same bits
         _import(source / "hf_fused", tmp_path / "fused")
-        _assert_identical(_params(tmp_path / "run"), _params(tmp_path / "fused"))
+        _assert_identical(_params(run), _params(tmp_path / "fused"))
 
 
 @pytest.mark.parametrize("architecture", MOE)
 def test_export_loads_in_transformers_and_round_trips_bit_identically(
-    built, tmp_path, architecture: str
+    built, imported, exported, tmp_path, architecture: str
 ):
     """import -> export (several shards) -> transformers' from_pretrained gives the
     same logits and choices; importing the export gives the same bits."""
     source = built(architecture)
-    _import(source / "hf", tmp_path / "run")
-    family, step, shards = commands.export_hf(
-        tmp_path / "run", tmp_path / "out", DATA_PARALLEL, None, "float32", shard_gb=2e-5
-    )
+    out, (family, step, shards) = exported(architecture)
     assert (family.architecture, step) == (architecture, 0) and len(shards) > 1
-    _hf("logits", tmp_path / "out", source / "reference.npz")
     reference = np.load(source / "reference.npz")
-    exported = np.load(tmp_path / "out" / "logits.npz")
-    np.testing.assert_allclose(exported["logits"], reference["logits"], rtol=0, atol=1e-4)
-    np.testing.assert_array_equal(exported["chosen"], reference["chosen"])
-    _import(tmp_path / "out", tmp_path / "again")
-    _assert_identical(_params(tmp_path / "run"), _params(tmp_path / "again"))
+    logits = np.load(out / "logits.npz")
+    np.testing.assert_allclose(logits["logits"], reference["logits"], rtol=0, atol=1e-4)
+    np.testing.assert_array_equal(logits["chosen"], reference["chosen"])
+    _import(out, tmp_path / "again")
+    _assert_identical(_params(imported(architecture)), _params(tmp_path / "again"))
 
 
 @pytest.mark.parametrize("architecture", MOE)
@@ -232,7 +272,7 @@ def test_bad_checkpoints_are_refused_in_one_line_writing_nothing(
             del tensors["model.layers.2.self_attn.q_proj.weight"]
         save_file(tensors, str(hf / "model.safetensors"), metadata={"format": "pt"})
     run = run_command(
-        tmp_path, "convert", ["import", f"--hf={hf}", f"--workdir={tmp_path / 'run'}"]
+        tmp_path, "convert", ["import", f"--hf={hf}", f"--workdir={tmp_path / 'run'}"], warm=True
     )
     assert run.returncode == 1, run.stderr[-2000:]
     lines = run.stderr.strip().splitlines()
@@ -242,10 +282,13 @@ def test_bad_checkpoints_are_refused_in_one_line_writing_nothing(
 
 
 def test_import_and_export_from_the_command_line(built, tmp_path):
-    """The real commands: import into a fresh workdir, train two steps from it (the
+    """The commands (forked from the warm interpreter; test_bad_inputs runs each command
+    line as a real subprocess): import into a fresh workdir, train two steps from it (the
     fine-tune resumes its step 0), export the trained weights."""
     source = built("Qwen3MoeForCausalLM")
-    run = run_command(tmp_path, "convert", ["import", f"--hf={source / 'hf'}", "--workdir=run"])
+    run = run_command(
+        tmp_path, "convert", ["import", f"--hf={source / 'hf'}", "--workdir=run"], warm=True
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "into run: config.py, config.json, checkpoints/0" in run.stdout
     train = run_command(
@@ -260,13 +303,14 @@ def test_import_and_export_from_the_command_line(built, tmp_path):
             "--config.train.eval_batches=1",
             "--config.train.log_every=1",
         ],
+        warm=True,
     )
     assert train.returncode == 0, train.stderr[-3000:]
     rows = [
         json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     ]
     assert [r["step"] for r in rows if "loss" in r] == [1, 2]
-    run = run_command(tmp_path, "convert", ["export", "--workdir=run", "--hf=out"])
+    run = run_command(tmp_path, "convert", ["export", "--workdir=run", "--hf=out"], warm=True)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "exported step 2 of run as Qwen3MoeForCausalLM into out" in run.stdout
     config = json.loads((tmp_path / "out" / "config.json").read_text())
