@@ -49,13 +49,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="session")
 def single_process_run(tmp_path_factory):
-    """The uninterrupted 8-device run that the multi-process runs must reproduce."""
+    """The uninterrupted run on the 8 test devices, in this process, that the
+    multi-process runs must reproduce (made once per session, by whichever xdist worker
+    first needs it)."""
+    from moe_jax import trainer
     from tests import multihost
+    from tests.once import made_once
+    from tests.settings import make_config
 
-    workdir = tmp_path_factory.mktemp("single_process") / "run"
-    settings = {**multihost.MODEL, **multihost.SAVED_PLAN}
-    multihost.train(workdir, multihost.flags(settings, multihost.STEPS + multihost.MORE_STEPS))
-    return workdir
+    def make(workdir):
+        settings = {**multihost.MODEL, **multihost.SAVED_PLAN}
+        steps = multihost.STEPS + multihost.MORE_STEPS
+        trainer.run(make_config({**settings, "train.steps": steps}), workdir)
+
+    return made_once(tmp_path_factory, "single_process_run", make)
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 from moe_jax.metrics import read_rows
@@ -50,10 +49,3 @@ def run(command: list[str], devices: int) -> subprocess.CompletedProcess:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env["XLA_FLAGS"] = xla_flags(devices)
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-
-
-def train(workdir: Path, train_flags: list[str]) -> None:
-    """One process with 8 devices."""
-    command = [sys.executable, "-m", "moe_jax.train", f"--workdir={workdir}", *train_flags]
-    done = run(command, devices=8)
-    assert done.returncode == 0, done.stderr[-3000:]

@@ -25,18 +25,20 @@ import jax
 import numpy as np
 import pytest
 
+from moe_jax import trainer
 from moe_jax.checkpoint import Checkpointer
 from moe_jax.parallel import mesh as mesh_lib
 from moe_jax.plan.resolve import resolve
 from moe_jax.train_state import init_state
 from tests.commands import xla_flags
-from tests.multihost import MODEL, MORE_STEPS, ROOT, SAVED_PLAN, STEPS, flags, losses, train
+from tests.multihost import MODEL, MORE_STEPS, ROOT, SAVED_PLAN, STEPS, flags, losses
 from tests.settings import make_config
 
 pytestmark = pytest.mark.slurm
 
 CLUSTER = ROOT / "launch" / "slurm" / "local_cluster.sh"
 TEMPLATE = ROOT / "launch" / "slurm" / "train.sbatch"
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL")
 OTHER_PLAN = {"parallel.attention": "tp", "parallel.experts": "etp", "parallel.intra": 4}
 
 
@@ -66,17 +68,16 @@ def cluster(tmp_path_factory) -> dict[str, str]:
     subprocess.run([CLUSTER, "down"], env=env, capture_output=True, timeout=120)
 
 
-def _sbatch(cluster: dict, workdir: Path, train_flags: list[str], wait: bool) -> tuple[str, int]:
-    """Submits the template as a 2-task job of 4 CPU devices per task: (job id, exit code)."""
+def _sbatch(cluster: dict, workdir: Path, train_flags: list[str]) -> str:
+    """Submits the template as a 2-task job of 4 CPU devices per task: its job id."""
     env = dict(cluster, XLA_FLAGS=xla_flags(4))
     env.update(JAX_PLATFORMS="cpu", MOE_JAX_PYTHON=sys.executable, PYTHONUNBUFFERED="1")
     command = ["sbatch", "--parsable", "--nodes=1", "--ntasks=2", "--gpus-per-node=0"]
     command += ["--cpus-per-task=1", "--time=00:20:00", f"--output={workdir}.out"]
-    command += ["--wait"] if wait else []
     command += [str(TEMPLATE), f"--workdir={workdir}", *train_flags]
     run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    job = run.stdout.strip().split(";")[0]
-    return job, run.returncode
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout.strip().split(";")[0]
 
 
 def _job(cluster: dict, job: str) -> dict[str, str]:
@@ -91,6 +92,19 @@ def _wait_for(condition, timeout: float, what: str) -> None:
     while not condition():
         assert time.time() < deadline, f"timed out waiting for {what}"
         time.sleep(0.2)
+
+
+def _ended(cluster: dict, job: str, timeout: float) -> dict[str, str]:
+    """The job's state once it has ended (polled every 0.2 s: `sbatch --wait` polls
+    every few seconds)."""
+    state = {}
+
+    def ended() -> bool:
+        state.update(_job(cluster, job))
+        return state.get("JobState") in ENDED
+
+    _wait_for(ended, timeout, f"job {job} to end")
+    return state
 
 
 def _restored_params(checkpoints: Path, settings: dict):
@@ -108,9 +122,10 @@ def test_sbatch_job_matches_one_process_and_restores_under_another_plan(
     cluster, single_process_run, tmp_path
 ):
     workdir = tmp_path / "job"
-    _, status = _sbatch(cluster, workdir, flags({**MODEL, **SAVED_PLAN}), wait=True)
+    job = _sbatch(cluster, workdir, flags({**MODEL, **SAVED_PLAN}))
+    ended = _ended(cluster, job, 900)
     log = Path(f"{workdir}.out").read_text()
-    assert status == 0, log[-3000:]
+    assert (ended["JobState"], ended["ExitCode"]) == ("COMPLETED", "0:0"), log[-3000:]
     assert "2 tasks" in log
     got, want = losses(workdir), losses(single_process_run)
     assert sorted(got) == list(range(1, STEPS + 1))
@@ -128,8 +143,9 @@ def test_sbatch_job_matches_one_process_and_restores_under_another_plan(
         assert not np.array_equal(np.asarray(init), np.asarray(a))  # trained, not fresh
     assert moved >= len(leaves[0]) // 2  # most weights are laid out differently
 
-    # One process continues the job under the other plan, as the uninterrupted run went on.
-    train(workdir, flags({**MODEL, **OTHER_PLAN}, steps=STEPS + MORE_STEPS))
+    # One process (this one) continues the job under the other plan, as the
+    # uninterrupted run went on.
+    trainer.run(make_config({**MODEL, **OTHER_PLAN, "train.steps": STEPS + MORE_STEPS}), workdir)
     got = losses(workdir)
     after = range(STEPS + 1, STEPS + MORE_STEPS + 1)
     assert sorted(got) == list(range(1, STEPS + MORE_STEPS + 1))
@@ -141,8 +157,8 @@ def test_sigterm_saves_requeues_and_finishes_like_an_uninterrupted_run(
 ):
     workdir = tmp_path / "job"
     train_flags = flags({**MODEL, **SAVED_PLAN, "train.checkpoint_every": 0})
-    job, status = _sbatch(cluster, workdir, train_flags, wait=False)
-    assert status == 0 and job
+    job = _sbatch(cluster, workdir, train_flags)
+    assert job
     _wait_for(lambda: len(losses(workdir)) >= 3 if workdir.exists() else False, 600, "step 3")
     signal = subprocess.run(["scancel", "--signal=TERM", job], env=cluster, timeout=60)
     assert signal.returncode == 0
