@@ -218,8 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    except OSError as err:  # the disk filled or the path vanished while writing
-        print(f"error: cannot write {err.filename or args.output}: {err.strerror}", file=sys.stderr)
+    except OSError as err:  # a file unreadable, the disk full, a path vanished meanwhile
+        name = str(err.filename or args.output)
+        writing = os.path.abspath(name).startswith(os.path.abspath(args.output))
+        verb = "write" if writing else "read"
+        print(f"error: cannot {verb} {name}: {err.strerror}", file=sys.stderr)
         return 2
     print(summary)
     return 0
