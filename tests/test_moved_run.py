@@ -13,6 +13,7 @@ import stat
 from pathlib import Path
 
 from moe_jax import config as config_lib
+from moe_jax import paths
 from moe_jax.convert import commands
 from moe_jax.data import prepare
 from moe_jax.data.tokenizer import HFTokenizer
@@ -93,3 +94,24 @@ def test_run_on_bpe_data_works_from_anywhere_and_after_moving(tmp_path: Path):
         mode = path.stat().st_mode
         want = stat.S_IROTH | (stat.S_IXOTH if path.is_dir() else 0)
         assert mode & want == want, f"{path}: {stat.filemode(mode)}"
+
+
+def test_path_settings_are_stored_relative_to_the_run_when_near(tmp_path: Path, monkeypatch):
+    """Within two levels above the run directory: relative (moves with it); farther:
+    absolute (stays put); a run written before the rule (relative to where it started)
+    still resolves when only that place exists."""
+    run = tmp_path / "project" / "runs" / "a"
+    assert paths.store(str(tmp_path / "project" / "data"), run) == "../../data"
+    assert paths.store(str(run / "data"), run) == "data"
+    far = tmp_path / "shared" / "corpus"
+    assert paths.store(str(far), run) == str(far)  # three levels up: absolute
+    (tmp_path / "project").mkdir()
+    monkeypatch.chdir(tmp_path / "project")  # a relative setting is relative to here
+    assert paths.store("data", run) == "../../data"
+    saved = {"data": {"path": "../../data"}, "train": {"init_from": ""}}
+    resolved = paths.resolved(saved, run)
+    assert resolved["data"]["path"] == str(tmp_path / "project" / "data")
+    assert resolved["train"]["init_from"] == ""
+    (tmp_path / "project" / "legacy").mkdir()
+    legacy = paths.resolved({"data": {"path": "legacy"}}, run)["data"]["path"]
+    assert legacy == str(tmp_path / "project" / "legacy")
