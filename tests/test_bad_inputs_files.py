@@ -6,12 +6,18 @@ naming the flag or setting and the path, before anything is built or written."""
 from __future__ import annotations
 
 import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from tests.bad_inputs import WORKDIR, Case, Place, check, names
 from tests.bad_inputs import case as _c
+from tests.commands import COMMANDS, subprocess_env
 
 RUN = "--workdir={root}/run"
 PROC = "/proc/moe_jax_bad_input"  # nothing can be made there, whoever runs the tests
@@ -282,3 +288,33 @@ def test_every_command_has_five_cases():
 @pytest.mark.parametrize("case", CASES, ids=names(CASES))
 def test_bad_path_is_one_line_and_changes_nothing(tmp_path: Path, bad_input_run: Path, case: Case):
     check(tmp_path, bad_input_run, case, real=case.name in REAL)
+
+
+def _handles_sigterm(pid: int) -> bool:
+    """Whether process `pid` runs the command and has a handler for SIGTERM (Python has
+    none by default: the command's own, installed as its main starts)."""
+    if b"moe_jax.sample" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+        return False  # not yet past exec: the handlers are this test process's
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) & (1 << (signal.SIGTERM - 1)))
+    return False
+
+
+def test_ctrl_c_during_sample_is_one_line(tmp_path: Path, bad_input_run: Path):
+    """Ctrl-C (SIGINT) once `sample` runs: one line, exit status 130, no traceback."""
+    run = tmp_path / "run"
+    shutil.copytree(bad_input_run, run)
+    argv = [sys.executable, *COMMANDS["sample"], f"--workdir={run}", "--max_new_tokens=100000"]
+    env = subprocess_env(JAX_PLATFORMS="cpu")
+    child = subprocess.Popen(argv, cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not _handles_sigterm(child.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child.send_signal(signal.SIGINT)
+    _, err = child.communicate(timeout=120)
+    assert child.returncode == 130, err[-2000:]
+    assert "Traceback" not in err, err[-2000:]
+    assert err.strip().splitlines()[-1] == (
+        "error: interrupted (SIGINT) during sampling; nothing was written"
+    )
