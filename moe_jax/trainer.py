@@ -188,7 +188,8 @@ def run(config: config_lib.Config, workdir: str | Path) -> dict[str, Any]:
             _check_not_all_damaged(checkpoints)
         start = found[0] if found else 0
         if start:
-            for line in _resume_changes(config_dict, found[1], start):
+            saved = paths.stored(paths.resolved(found[1], workdir), workdir)  # older runs
+            for line in _resume_changes(config_dict, saved, start):
                 say(line)
             if tc.steps <= start:
                 say(f"already complete at step {start} (train.steps={tc.steps}); nothing to do")

@@ -115,3 +115,6 @@ def test_path_settings_are_stored_relative_to_the_run_when_near(tmp_path: Path, 
     (tmp_path / "project" / "legacy").mkdir()
     legacy = paths.resolved({"data": {"path": "legacy"}}, run)["data"]["path"]
     assert legacy == str(tmp_path / "project" / "legacy")
+    # A checkpoint written before the rule (absolute) compares equal once re-stored.
+    old = {"data": {"path": str(tmp_path / "project" / "data")}}
+    assert paths.stored(paths.resolved(old, run), run)["data"]["path"] == "../../data"
