@@ -9,11 +9,14 @@ import json
 import os
 import re
 import shutil
+import signal
 import stat
 from pathlib import Path
 
+import pytest
+
 from moe_jax import config as config_lib
-from moe_jax import paths
+from moe_jax import paths, signals
 from moe_jax.convert import commands
 from moe_jax.data import prepare
 from moe_jax.data.tokenizer import HFTokenizer
@@ -50,7 +53,7 @@ def _used_from(cwd: Path, run: Path) -> tuple[str, str]:
     return sample.stdout, re.sub(r" of \S+\)", ")", scored.stdout.strip())
 
 
-def test_run_on_bpe_data_works_from_anywhere_and_after_moving(tmp_path: Path):
+def test_run_on_bpe_data_works_from_anywhere_and_after_moving(tmp_path: Path, monkeypatch):
     project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
     project.mkdir()
     elsewhere.mkdir()
@@ -78,6 +81,22 @@ def test_run_on_bpe_data_works_from_anywhere_and_after_moving(tmp_path: Path):
     resumed = _train(elsewhere, moved / "run", moved / "data", steps=3)
     assert "resumed from" in resumed.stdout + resumed.stderr
     assert json.loads((moved / "run" / "config.json").read_text())["data"]["path"] == "../data"
+
+    # SIGTERM once the shards are written (sent for real): nothing is left behind.
+    real_export = commands.hf_export.export
+
+    def signalled(*args, **kwargs):
+        files = real_export(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return files
+
+    monkeypatch.setattr(commands.hf_export, "export", signalled)
+    export = signals.interruptible("the conversion")(commands.export_hf)
+    with pytest.raises(SystemExit) as stopped:
+        export(moved / "run", tmp_path / "cut", config_lib.ParallelConfig(), None, "float32", 5.0)
+    assert stopped.value.code == 130
+    assert not [p.name for p in tmp_path.iterdir() if "cut" in p.name]  # nor its staging
+    monkeypatch.undo()
 
     # The export carries the tokenizer and is readable by everyone under umask 022.
     previous = os.umask(0o022)
