@@ -455,3 +455,17 @@ def test_prepared_corpus_carries_its_tokenizer(tmp_path):
     splits = [token_files.open_split(out, split)[0] for split in ("train", "val")]
     spec = token_files.tokenizer_spec(out, meta)
     assert HFTokenizer(spec).decode(np.concatenate(splits)) == TEXT
+
+
+def test_batches_of_one_sequence_are_the_rows_of_batches_of_four(tmp_path):
+    """train.batch_size=1 (once an OverflowError from grain's length of an endless
+    dataset): the same windows, in the same order, as batch 4 split into rows."""
+    (tmp_path / "text.txt").write_text(TEXT * 40)
+    out = tmp_path / "tokens"
+    assert prepare.main(["--input", str(tmp_path / "text.txt"), "--output", str(out)]) == 0
+    overrides = {"data.source": "tokens", "data.path": str(out), "train.seq_len": 16}
+    ones = pipeline.make_iterator(make_config({**overrides, "train.batch_size": 1}), "train")
+    fours = pipeline.make_iterator(make_config({**overrides, "train.batch_size": 4}), "train")
+    singles = np.concatenate([next(ones)["inputs"] for _ in range(8)])
+    batches = np.concatenate([next(fours)["inputs"] for _ in range(2)])
+    np.testing.assert_array_equal(singles, batches)
