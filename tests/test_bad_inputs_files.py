@@ -304,11 +304,16 @@ def test_ctrl_c_during_sample_is_one_line(tmp_path: Path, bad_input_run: Path):
     argv = [sys.executable, *COMMANDS["sample"], f"--workdir={run}", "--max_new_tokens=100000"]
     env = subprocess_env(JAX_PLATFORMS="cpu")
     child = subprocess.Popen(argv, cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while not _handles_sigterm(child.pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    child.send_signal(signal.SIGINT)
-    _, err = child.communicate(timeout=120)
+    try:
+        deadline = time.monotonic() + 120
+        while not _handles_sigterm(child.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        child.send_signal(signal.SIGINT)
+        _, err = child.communicate(timeout=120)
+    finally:
+        if child.poll() is None:  # never left running, whatever failed
+            child.kill()
+            child.wait()
     assert child.returncode == 130, err[-2000:]
     assert "Traceback" not in err, err[-2000:]
     assert err.strip().splitlines()[-1] == (
