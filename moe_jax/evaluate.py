@@ -3,7 +3,8 @@
 Loss and perplexity of a run's newest checkpoint on prepared data, with no training:
 its own validation split by default, or any data given as `--config.data.*`
 (`source`, `path`) with the batch as `--config.train.batch_size` / `seq_len` and the
-plan as `--config.parallel.*`. Prints one line; exit status 0, or 1 on bad input.
+plan as `--config.parallel.*`, validated as `train` validates them. Prints one line;
+exit status 0, 1 on bad input, 130 on SIGINT or SIGTERM.
 """
 
 from __future__ import annotations
@@ -16,13 +17,32 @@ from pathlib import Path
 
 from absl import app, flags
 
-from moe_jax import cli
+from moe_jax import cli, paths, signals
 
 _CONFIG = cli.define_config_flag()
 _WORKDIR = flags.DEFINE_string("workdir", None, "The run directory whose checkpoint to score.")
 _SPLIT = flags.DEFINE_string("split", "val", "Split of the data: val or train.")
 _BATCHES = flags.DEFINE_integer("batches", 0, "Batches to score (0: train.eval_batches).")
 SECTIONS = ("data", "train", "parallel")
+
+
+def checked_sections(saved, given: dict, batches: int):
+    """(data, train) of the run with the given overrides, validated as `train` validates
+    them, or a one-line ValueError naming the setting."""
+    from moe_jax import config as config_lib
+
+    data = dataclasses.replace(saved.data, **given["data"])
+    train = dataclasses.replace(saved.train, **{**given["train"], "grad_accum": 1})
+    candidate = dataclasses.replace(saved, data=data, train=train)
+    config_lib.validate(candidate)
+    if not batches and train.eval_batches < 1:
+        raise ValueError(
+            f"train.eval_batches={train.eval_batches} scores nothing; give --batches=N "
+            "or --config.train.eval_batches=N (N >= 1)"
+        )
+    if given["data"].get("path"):
+        paths.check_input(data.path, "--config.data.path", "dir")
+    return data, train
 
 
 def score(workdir: Path, given: dict, split: str, batches: int) -> tuple[int, float, int]:
@@ -37,8 +57,7 @@ def score(workdir: Path, given: dict, split: str, batches: int) -> tuple[int, fl
     from moe_jax.train_step import eval_step
 
     saved = saved_run.saved_config(workdir)
-    data = dataclasses.replace(saved.data, **given["data"])
-    train = dataclasses.replace(saved.train, **{**given["train"], "grad_accum": 1})
+    data, train = checked_sections(saved, given, batches)
     parallel = ParallelConfig(**given["parallel"])
     config, layout, graphdef, step, state = saved_run.restore(
         workdir, parallel, data=data, train=train
@@ -56,6 +75,7 @@ def score(workdir: Path, given: dict, split: str, batches: int) -> tuple[int, fl
     return step, float(np.mean(losses)), count * t.batch_size * t.seq_len
 
 
+@signals.interruptible("evaluation")
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise SystemExit(f"error: unexpected arguments {argv[1:]}")
@@ -63,9 +83,12 @@ def main(argv: list[str]) -> None:
         raise SystemExit("error: evaluate needs --workdir=RUN (a run directory)")
     if _BATCHES.value < 0:
         raise SystemExit(f"error: --batches={_BATCHES.value} must be >= 0")
+    if _SPLIT.value not in ("val", "train"):
+        raise SystemExit(f"error: --split={_SPLIT.value!r} is invalid; valid: val, train")
     given = cli.overridden(sys.argv, _CONFIG.value, SECTIONS)
     workdir = Path(_WORKDIR.value)
     try:
+        paths.check_input(workdir, "--workdir", "dir")
         step, loss, tokens = score(workdir, given, _SPLIT.value, _BATCHES.value)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)

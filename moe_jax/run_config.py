@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_jax import config as config_lib
+from moe_jax import paths
 
 
 def is_run_config(raw: Any) -> bool:
@@ -41,7 +42,8 @@ def read_json(path: str | Path) -> dict[str, dict[str, Any]]:
             "not a config: a JSON object of sections of settings is expected "
             f"({sorted(config_lib.SECTIONS)}), as a run's config.json is"
         )
-    return raw
+    # A run's config.json stores its paths relative to the run directory (moe_jax.paths).
+    return paths.resolved(raw, Path(path).parent) if is_run_config(raw) else raw
 
 
 def over_defaults(raw: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -71,7 +73,7 @@ def saved(workdir: Path) -> dict[str, dict[str, Any]] | None:
         raw = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    return raw if is_run_config(raw) else None
+    return paths.resolved(raw, workdir) if is_run_config(raw) else None
 
 
 def with_overrides(base: dict, overrides: dict[str, Any]) -> dict[str, dict[str, Any]]:

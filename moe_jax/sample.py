@@ -5,8 +5,9 @@ Text from a run's newest checkpoint, generated with a KV cache
 (`moe_jax.model.decode`): the prompt in one pass, then a token at a time. The
 parameters are placed under `--config.parallel.*` (default: this machine's devices,
 data parallel). The tokenizer is the run's (`byte` for the embedded corpus) unless
-`--tokenizer` names another (a tokenizer.json, say an imported model's). Exit status
-0, or 1 on bad input.
+`--tokenizer` names another (a tokenizer.json, say an imported model's). A length
+that cannot fit in memory is refused before anything compiles. Exit status 0, 1 on
+bad input, 130 on SIGINT or SIGTERM.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 from absl import app, flags
 
-from moe_jax import cli
+from moe_jax import cli, paths, signals
 
 _CONFIG = cli.define_config_flag()
 _WORKDIR = flags.DEFINE_string("workdir", None, "The run directory to sample from.")
@@ -42,14 +43,20 @@ def _check_flags() -> None:
 
 
 def _tokenizer(config, spec: str):
+    """The tokenizer `spec` names, else the run's (its corpus's copy); one line for a
+    missing or unreadable one."""
+    from moe_jax.data.token_files import read_meta, tokenizer_spec
     from moe_jax.data.tokenizer import load_tokenizer
 
+    flag = "--tokenizer"
+    if spec and spec != "byte":
+        paths.check_input(spec, flag, "file")
     if not spec:
-        spec = "byte"
+        spec, flag = "byte", "the run's tokenizer"
         if config.data.source == "tokens":
-            import json
-
-            spec = json.loads((Path(config.data.path) / "meta.json").read_text())["tokenizer"]
+            spec = tokenizer_spec(config.data.path, read_meta(config.data.path))
+            if spec != "byte":
+                paths.check_input(spec, f"the tokenizer of data.path={config.data.path}", "file")
     tokenizer = load_tokenizer(spec)
     if tokenizer.vocab_size > config.model.vocab_size:
         raise ValueError(
@@ -57,6 +64,29 @@ def _tokenizer(config, spec: str):
             f"model.vocab_size={config.model.vocab_size}; pass the model's own --tokenizer"
         )
     return tokenizer
+
+
+def check_memory(config, num: int, prompt: int, new: int) -> None:
+    """A one-line ValueError, before anything compiles, when `num` sequences of a
+    `prompt` and `new` tokens cannot fit: the KV cache and the prompt pass's logits and
+    attention scores, counted whole on one device beside the parameters."""
+    import numpy as np
+
+    from moe_jax import memory_check
+
+    m, length = config.model, prompt + new
+    itemsize = np.dtype(m.dtype).itemsize
+    cache = 2 * m.num_layers * num * length * m.num_kv_heads * m.head_dim * itemsize
+    work = num * prompt * (m.vocab_size + m.num_heads * length) * 4
+    params = memory_check.parameter_counts(config)[0] * 4
+    limit, source = memory_check.device_limit(config)
+    if cache + work + params > limit:
+        raise ValueError(
+            f"--max_new_tokens={new} with --num_samples={num}: {length} tokens per "
+            f"sample need about {(cache + work + params) / 1e9:,.2f} GB (KV cache "
+            f"{cache / 1e9:,.2f} GB), more than the {limit / 1e9:,.2f} GB available "
+            f"({source}); lower --max_new_tokens or --num_samples"
+        )
 
 
 def generate(workdir: Path, parallel, prompt: str, spec: str, settings: dict) -> list[str]:
@@ -72,10 +102,12 @@ def generate(workdir: Path, parallel, prompt: str, spec: str, settings: dict) ->
     from moe_jax.parallel.layout import SINGLE_DEVICE
     from moe_jax.train_step import abstract_state
 
-    config, _, _, _, state = saved_run.restore(workdir, ParallelConfig(**parallel))
-    tokenizer = _tokenizer(config, spec)
+    saved = saved_run.saved_config(workdir)
+    tokenizer = _tokenizer(saved, spec)
     ids = tokenizer.encode(prompt) if prompt else np.array([tokenizer.bos_id], np.int32)
     num, new = settings["num_samples"], settings["max_new_tokens"]
+    check_memory(saved, num, len(ids), new)
+    config, _, _, _, state = saved_run.restore(workdir, ParallelConfig(**parallel))
     graphdef, _ = abstract_state(config, SINGLE_DEVICE)  # GSPMD partitions it by the params
     params, biases = state.params, state.biases
     forward = jax.jit(lambda p, b, *args: decode.forward(nnx.merge(graphdef, p, b), *args))
@@ -100,12 +132,17 @@ def generate(workdir: Path, parallel, prompt: str, spec: str, settings: dict) ->
     return texts
 
 
+@signals.interruptible("sampling")
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise SystemExit(f"error: unexpected arguments {argv[1:]}")
     if not _WORKDIR.value:
         raise SystemExit("error: sample needs --workdir=RUN (a run directory)")
     _check_flags()
+    try:
+        paths.check_input(_WORKDIR.value, "--workdir", "dir")
+    except ValueError as error:
+        raise SystemExit(f"error: {error}") from None
     given = cli.overridden(sys.argv, _CONFIG.value, ("parallel",))
     settings = dict(
         max_new_tokens=_MAX_NEW.value,
@@ -120,6 +157,16 @@ def main(argv: list[str]) -> None:
         )
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    except Exception as error:  # XLA's out-of-memory, past what check_memory foresaw
+        if "RESOURCE_EXHAUSTED" not in str(error):
+            raise
+        print(
+            f"error: out of device memory while sampling (--max_new_tokens="
+            f"{_MAX_NEW.value}, --num_samples={_NUM.value}); lower them",
+            file=sys.stderr,
+            flush=True,
+        )
         raise SystemExit(1) from None
     for i, text in enumerate(texts):
         if len(texts) > 1:

@@ -11,6 +11,7 @@ from pathlib import Path
 import jax
 
 from moe_jax import config as config_lib
+from moe_jax import paths
 from moe_jax.checkpoint import Checkpointer
 from moe_jax.parallel import mesh as mesh_lib
 from moe_jax.plan.resolve import check_plan
@@ -22,7 +23,13 @@ def saved_config(workdir: Path) -> config_lib.Config:
     path = workdir / "config.json"
     if not path.is_file():
         raise ValueError(f"{workdir}: no config.json (not a moe_jax run directory)")
-    return config_lib.load(json.loads(path.read_text()))
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{path} cannot be read as JSON ({type(error).__name__})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} holds a JSON {type(raw).__name__}, not a run's settings")
+    return config_lib.load(paths.resolved(raw, workdir))
 
 
 def placed(config: config_lib.Config, parallel: config_lib.ParallelConfig):

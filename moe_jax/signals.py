@@ -4,7 +4,8 @@ evaluate, convert): one line and exit status 130, with nothing half-written.
 Why: Ctrl-C used to print a KeyboardInterrupt traceback and SIGTERM (a scheduler, a
 `timeout`) killed the process where it stood. Here both raise KeyboardInterrupt in
 the main thread, so every writer's cleanup (`except BaseException`, `finally`) runs
-before `interruptible` prints the line.
+before `interruptible` prints the line; one that arrives inside an import (the
+commands import jax late) is raised again once the import is done (SIGALRM).
 """
 
 from __future__ import annotations
@@ -19,8 +20,30 @@ EXIT_INTERRUPTED = 130
 _received: list[int] = []
 
 
+RETRY_S = 0.05  # how soon an interrupt that arrived inside an import is raised again
+RESEND_S = 2.0  # how soon an interrupt that has not stopped the command is raised again
+
+
+def _importing(frame: Any) -> bool:
+    """Whether `frame` runs inside an import: an exception raised there can be turned
+    into another error (numpy's import raises ImportError) and printed with its trace."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _raise(signum: int, frame: Any) -> None:
-    _received.append(signum)
+    """SIGINT, SIGTERM and the retry's SIGALRM: KeyboardInterrupt, once out of imports."""
+    if signum != signal.SIGALRM:
+        _received.append(signum)
+    if _importing(frame):
+        signal.setitimer(signal.ITIMER_REAL, RETRY_S)
+        return
+    # Raised again later should a library swallow it (a worker pool's wait, say); the
+    # command's wrapper stops the timer when the interrupt reaches it.
+    signal.setitimer(signal.ITIMER_REAL, RESEND_S)
     raise KeyboardInterrupt
 
 
@@ -31,11 +54,18 @@ def interruptible(what: str) -> Callable[[Callable[..., Any]], Callable[..., Any
     def wrap(main: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(main)
         def run(*args: Any, **kwargs: Any) -> Any:
-            previous = {s: signal.signal(s, _raise) for s in (signal.SIGINT, signal.SIGTERM)}
+            _received.clear()
+            handled = (signal.SIGINT, signal.SIGTERM, signal.SIGALRM)
+            previous = {s: signal.signal(s, _raise) for s in handled}
             try:
                 return main(*args, **kwargs)
-            except KeyboardInterrupt:
-                name = signal.Signals(_received[-1]).name if _received else "SIGINT"
+            except BaseException as error:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                # A library may turn the KeyboardInterrupt into its own error (numpy's
+                # import raises ImportError): what was received decides.
+                if not _received or isinstance(error, SystemExit):
+                    raise
+                name = signal.Signals(_received[-1]).name
                 print(
                     f"error: interrupted ({name}) during {what}; nothing was written",
                     file=sys.stderr,
@@ -43,6 +73,7 @@ def interruptible(what: str) -> Callable[[Callable[..., Any]], Callable[..., Any
                 )
                 raise SystemExit(EXIT_INTERRUPTED) from None
             finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
                 for sig, handler in previous.items():
                     signal.signal(sig, handler)
 

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_jax import checkpoint, flops, init_from, memory_check, optimizer
+from moe_jax import checkpoint, flops, init_from, memory_check, optimizer, paths
 from moe_jax import config as config_lib
 from moe_jax import workdir as workdir_lib
 from moe_jax.checkpoint import Checkpointer
@@ -196,11 +196,12 @@ def run(config: config_lib.Config, workdir: str | Path) -> dict[str, Any]:
         rows = pipeline.local_rows(sharding, tc.batch_size, tc.seq_len)  # this process's share
         train_batches = pipeline.make_iterator(config, "train", rows)
         pipeline.make_iterator(config, "val", rows, shuffle=False)  # fails early on a bad split
-        config_dict = dataclasses.asdict(config)
+        config_dict = paths.stored(dataclasses.asdict(config), workdir)  # moe_jax.paths
         found = checkpoints.newest_readable()
-        changes = (
-            _resume_changes(config_dict, found[1], found[0], checkpoints.directory) if found else []
-        )
+        changes = []
+        if found:  # a run written before paths were stored relative to it resolves too
+            saved = paths.stored(paths.resolved(found[1], workdir), workdir)
+            changes = _resume_changes(config_dict, saved, found[0], checkpoints.directory)
         _check_own_config_json(workdir)
         read_rows(workdir / "metrics.jsonl")  # a line damaged mid-file stops it here
         if found is None:
@@ -245,7 +246,7 @@ def _train(config, workdir: Path, layout, graphdef, placed, checkpoints, train_b
     tc, process = config.train, jax.process_index()
     sharding = mesh_lib.batch_sharding(layout)
     rows = pipeline.local_rows(sharding, tc.batch_size, tc.seq_len)
-    config_dict = dataclasses.asdict(config)
+    config_dict = paths.stored(dataclasses.asdict(config), workdir)  # moe_jax.paths
     state_sharding = jax.tree.map(lambda x: x.sharding, placed)
     restored = checkpoints.restore_newest(placed, say)
     if restored is not None:

@@ -5,6 +5,7 @@ import json
 import math
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 
@@ -409,3 +410,64 @@ def test_prepare_refuses_an_output_it_cannot_write_in_one_line(tmp_path, monkeyp
     assert code == 2 and len(err) == 1 and err[0].startswith(f"error: --output={output}")
     assert ("lies under" if kind == "under_a_file" else "MB needed") in err[0]
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_during_prepare_leaves_nothing(tmp_path, monkeypatch, capsys, signum):
+    """SIGINT and SIGTERM alike: the signal arrives (for real, sent to this process) as
+    meta.json is about to be written; the splits and the tokenizer copy already written
+    go, with the directory prepare made; one line, exit status 130."""
+    tok_path = tmp_path / "tok.json"
+    train_bpe(tok_path, ["<|endoftext|>"])
+    (tmp_path / "text.txt").write_text(TEXT * 20)
+    real_write_meta = prepare.write_meta
+
+    def signalled(directory, meta):
+        assert {p.name for p in directory.iterdir()} >= {"train.bin", "tokenizer.json"}
+        os.kill(os.getpid(), signum)
+        return real_write_meta(directory, meta)
+
+    monkeypatch.setattr(prepare, "write_meta", signalled)
+    out = tmp_path / "out"
+    args = ["--input", str(tmp_path / "text.txt"), "--output", str(out), "--tokenizer"]
+    with pytest.raises(SystemExit) as stopped:
+        prepare.main([*args, str(tok_path)])
+    assert stopped.value.code == 130
+    assert not out.exists()
+    name = signal.Signals(signum).name
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == f"error: interrupted ({name}) during prepare; nothing was written"
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers put back
+
+
+def test_prepared_corpus_carries_its_tokenizer(tmp_path):
+    """meta.json names the copy beside the splits, which decodes the corpus after the
+    original tokenizer file is gone."""
+    tok_path = tmp_path / "tok.json"
+    train_bpe(tok_path, ["<|endoftext|>"])
+    (tmp_path / "text.txt").write_text(TEXT)
+    out = tmp_path / "out"
+    args = ["--input", str(tmp_path / "text.txt"), "--output", str(out)]
+    assert prepare.main([*args, "--tokenizer", str(tok_path)]) == 0
+    original = tok_path.read_bytes()
+    tok_path.unlink()
+    meta = token_files.read_meta(out)
+    assert meta["tokenizer"] == "tokenizer.json"
+    assert (out / "tokenizer.json").read_bytes() == original
+    splits = [token_files.open_split(out, split)[0] for split in ("train", "val")]
+    spec = token_files.tokenizer_spec(out, meta)
+    assert HFTokenizer(spec).decode(np.concatenate(splits)) == TEXT
+
+
+def test_batches_of_one_sequence_are_the_rows_of_batches_of_four(tmp_path):
+    """train.batch_size=1 (once an OverflowError from grain's length of an endless
+    dataset): the same windows, in the same order, as batch 4 split into rows."""
+    (tmp_path / "text.txt").write_text(TEXT * 40)
+    out = tmp_path / "tokens"
+    assert prepare.main(["--input", str(tmp_path / "text.txt"), "--output", str(out)]) == 0
+    overrides = {"data.source": "tokens", "data.path": str(out), "train.seq_len": 16}
+    ones = pipeline.make_iterator(make_config({**overrides, "train.batch_size": 1}), "train")
+    fours = pipeline.make_iterator(make_config({**overrides, "train.batch_size": 4}), "train")
+    singles = np.concatenate([next(ones)["inputs"] for _ in range(8)])
+    batches = np.concatenate([next(fours)["inputs"] for _ in range(2)])
+    np.testing.assert_array_equal(singles, batches)

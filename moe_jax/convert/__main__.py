@@ -6,7 +6,10 @@ family and writes a moe_jax run directory at step 0: config.py, config.json and 
 orbax checkpoint. `export` writes the newest checkpoint of a run as config.json and
 sharded safetensors that transformers' `from_pretrained` loads. Both take the plan
 they place the weights under as `--config.parallel.*` (default: this machine's
-devices, data parallel). Exit status: 0 when done, 1 on bad input.
+devices, data parallel). Both check their directories before anything is read, and
+write with the user's umask; `export` copies the run's tokenizer.json beside the
+weights. Exit status: 0 when done, 1 on bad input, 130 on SIGINT or SIGTERM (nothing
+left behind).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from pathlib import Path
 
 from absl import app, flags
 
-from moe_jax import cli
+from moe_jax import cli, paths, signals
 from moe_jax import config as config_lib
 
 _CONFIG = cli.define_config_flag()
@@ -36,6 +39,7 @@ flags.register_validator(
 COMMANDS = ("import", "export")
 
 
+@signals.interruptible("the conversion")
 def main(argv: list[str]) -> None:
     if len(argv) != 2 or argv[1] not in COMMANDS:
         raise SystemExit(f"error: give one command, {' or '.join(COMMANDS)}; got {argv[1:]}")
@@ -51,6 +55,10 @@ def main(argv: list[str]) -> None:
     hf, workdir = Path(_HF.value), Path(_WORKDIR.value)
     try:
         if argv[1] == "import":
+            paths.check_input(hf, "--hf", "dir")
+        else:
+            paths.check_input(workdir, "--workdir", "dir")
+        if argv[1] == "import":
             imported = commands.import_hf(hf, workdir, config)
             m = imported.model
             experts = imported.moe.num_experts if m.num_moe_layers else 0
@@ -59,12 +67,14 @@ def main(argv: list[str]) -> None:
                 "config.py, config.json, checkpoints/0"
             )
         else:
-            family, step, shards = commands.export_hf(
+            family, step, files = commands.export_hf(
                 workdir, hf, config.parallel, _ARCH.value, _DTYPE.value, _SHARD_GB.value
             )
+            shards = [f for f in files if f.endswith(".safetensors")]
+            extra = " and tokenizer.json" if len(files) > len(shards) else ""
             print(
                 f"exported step {step} of {workdir} as {family.architecture} into {hf}: "
-                f"config.json and {len(shards)} safetensors shard(s)"
+                f"config.json, {len(shards)} safetensors shard(s){extra}"
             )
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)

@@ -7,16 +7,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-import tempfile
+import uuid
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
 from moe_jax import config as config_lib
-from moe_jax import saved_run
+from moe_jax import paths, saved_run
 from moe_jax.checkpoint import Checkpointer
 from moe_jax.convert import families, hf_export, hf_import
+from moe_jax.data.token_files import TOKENIZER_FILE, read_meta, tokenizer_spec
 from moe_jax.optimizer import make_optimizer
 from moe_jax.train_state import TrainState
 
@@ -41,8 +42,29 @@ def get_config():
 
 
 def _refuse_used(directory: Path, flag: str) -> None:
+    paths.check_output_dir(directory, flag)
     if directory.exists() and any(directory.iterdir()):
         raise ValueError(f"{flag}={directory} is not empty; nothing is overwritten: use a new one")
+
+
+def _staging(target: Path) -> Path:
+    """A new directory beside `target`, made with the umask's permissions (mkdtemp's are
+    0700: colleagues on a shared file system could not read what is moved in)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.parent / f".{target.name}.{uuid.uuid4().hex[:12]}.tmp"
+    staging.mkdir()
+    return staging
+
+
+def _run_tokenizer(config: config_lib.Config) -> Path | None:
+    """The tokenizer.json of the run's prepared data, if it had one and it is there."""
+    if config.data.source != "tokens":
+        return None
+    try:
+        spec = tokenizer_spec(config.data.path, read_meta(config.data.path))
+    except ValueError:  # the data is gone: the weights export without it
+        return None
+    return Path(spec) if spec != "byte" and Path(spec).is_file() else None
 
 
 def fresh_state(config: config_lib.Config, params, biases_like) -> TrainState:
@@ -75,13 +97,13 @@ def import_hf(hf_dir: Path, workdir: Path, base: config_lib.Config) -> config_li
     state = start(params)
     settings = dataclasses.asdict(config)
     # Written next to the workdir, then moved in whole: a failure leaves nothing behind.
-    workdir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{workdir.name}.", dir=workdir.parent))
+    staging = _staging(workdir)
     try:
         checkpoints = Checkpointer(staging / "checkpoints", config.train.keep_checkpoints)
         checkpoints.save(0, state, {}, settings)
         checkpoints.close()
-        (staging / "config.json").write_text(json.dumps(settings, indent=2) + "\n")
+        stored = paths.stored(settings, workdir)
+        (staging / "config.json").write_text(json.dumps(stored, indent=2) + "\n")
         config_py = staging / "config.py"
         config_py.write_text(
             CONFIG_FILE.format(
@@ -111,7 +133,8 @@ def export_hf(
     shard_gb: float,
 ) -> tuple[families.Family, int, list[str]]:
     """The newest checkpoint of the run in `workdir` as a Hugging Face checkpoint in
-    `hf_dir`; returns (family, step, shard files)."""
+    `hf_dir`, with the tokenizer.json of the run's data when it had one; returns
+    (family, step, files written: the shards, then tokenizer.json if written)."""
     if jax.process_count() > 1:
         raise ValueError("export runs in one process (it writes every tensor itself)")
     if dtype not in ("float32", "bfloat16"):
@@ -120,10 +143,13 @@ def export_hf(
     family = families.family_for(saved_run.saved_config(workdir), architecture)
     config, _, _, step, state = saved_run.restore(workdir, parallel)
     hf_export.check_biases(state.biases)
-    hf_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{hf_dir.name}.", dir=hf_dir.parent))
+    tokenizer = _run_tokenizer(config)
+    staging = _staging(hf_dir)
     try:
         shards = hf_export.export(family, config, state.params, staging, dtype, shard_gb)
+        if tokenizer is not None:  # the Hugging Face layout: tokenizer.json beside the weights
+            shutil.copyfile(tokenizer, staging / TOKENIZER_FILE)
+            shards = [*shards, TOKENIZER_FILE]
         if hf_dir.exists():
             hf_dir.rmdir()
         staging.rename(hf_dir)

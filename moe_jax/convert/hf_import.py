@@ -26,12 +26,19 @@ def read_hf_config(directory: Path) -> tuple[Family, Config, dict[str, Any]]:
         raise ValueError(f"{directory}: no config.json (a Hugging Face checkpoint directory)")
     try:
         hf = json.loads(path.read_text())
-    except ValueError as error:
+    except (OSError, UnicodeDecodeError, ValueError) as error:
         raise ValueError(f"{path} is not JSON ({error})") from None
+    if not isinstance(hf, dict):
+        raise ValueError(
+            f"{path} holds a JSON {type(hf).__name__}; a Hugging Face config.json is an "
+            "object of settings"
+        )
     try:
         family, config = families.to_config(hf, str(directory))
     except KeyError as key:
         raise ValueError(f"{path} has no {key} setting, which its family needs") from None
+    except (TypeError, AttributeError, ArithmeticError) as error:
+        raise ValueError(f"{path} has a setting of the wrong type or value ({error})") from None
     return family, config, hf
 
 

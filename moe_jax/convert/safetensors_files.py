@@ -14,6 +14,8 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.flax import save_file
 
+from moe_jax import paths
+
 INDEX = "model.safetensors.index.json"
 
 
@@ -90,6 +92,7 @@ def write_shards(
         with jax.default_device(jax.devices("cpu")[0]):
             arrays = {k: jax.numpy.asarray(v, cast) for k, v in pending.items()}
             save_file(arrays, str(directory / name), metadata={"format": "pt"})
+        paths.follow_umask(directory / name)  # safetensors writes 0600
         written.append(name)
         weight_map.update({k: name for k in pending})
         pending, pending_bytes = {}, 0

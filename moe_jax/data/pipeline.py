@@ -208,7 +208,9 @@ def make_iterator(
     ds = grain.MapDataset.range(len(source))
     if shuffle:
         ds = ds.shuffle(seed=t.seed % 2**32)
-    ds = ds.repeat(None).batch(t.batch_size)
+    # Endless in practice; a finite count because grain's length of an endless dataset
+    # batched by 1 overflows (the same order: grain reseeds each epoch either way).
+    ds = ds.repeat(2**62 // max(1, len(source))).batch(t.batch_size)
     ds = ds.map(functools.partial(_packed_rows, source, rows))
     return Batches(ds.to_iter_dataset(_READ_OPTIONS), identity)
 

@@ -18,12 +18,28 @@ FORMAT = "moe_jax.tokens.v1"
 DTYPES = ("uint16", "uint32")
 SPLITS = ("train", "val")
 META = "meta.json"
+TOKENIZER_FILE = "tokenizer.json"  # the copy of a corpus's tokenizer, beside its splits
 PREPARE_HINT = "create it with python -m moe_jax.data.prepare"
 
 
 def dtype_for(vocab_size: int) -> str:
     """The smallest stored dtype that holds every id of the vocabulary."""
     return "uint16" if vocab_size <= 65535 else "uint32"
+
+
+def write_file(path: Path, data: bytes) -> None:
+    """Writes `path` whole or not at all, with the umask's permissions."""
+    _atomic_write(path, data)
+
+
+def tokenizer_spec(directory: str | os.PathLike, meta: dict[str, Any]) -> str:
+    """The tokenizer of a prepared corpus as `load_tokenizer` takes it: 'byte', or the
+    tokenizer.json path meta.json names, resolved against the corpus directory (where
+    prepare copies it; older corpora name an absolute path)."""
+    spec = str(meta.get("tokenizer") or "byte")
+    if spec == "byte":
+        return spec
+    return os.path.join(os.path.abspath(directory), spec)
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
