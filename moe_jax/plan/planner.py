@@ -334,10 +334,11 @@ def choose_plan(
     """The fastest plan the trainer can run on `num_devices` devices of `platform`
     (default: this process's backend), as the `config.parallel` to run, its pipeline's
     settings among them: `python -m moe_jax.plan`'s first plan for the same GPU preset,
-    devices and batch (one search, one order), less the plans this config does not
-    take. The batch and `train.grad_accum` stay as configured: a pipeline only where
-    grad_accum is 1 (its micro-batches are the accumulation), none otherwise; and plans
-    the layout specs reject for these devices are skipped."""
+    devices and batch (one search, one order, gradients synced as the trainer compiles
+    them), less the plans this config does not take. The batch and `train.grad_accum`
+    stay as configured: a pipeline only where grad_accum is 1 (its micro-batches are the
+    accumulation), none otherwise; and plans the layout specs reject for these devices
+    are skipped."""
     if platform is None:
         import jax  # only the trainer's path needs the backend
 
@@ -355,7 +356,8 @@ def choose_plan(
     fewer = (
         {} if config.train.grad_accum == 1 else dict(pp=1, micro_batches=config.train.grad_accum)
     )
-    ranking = rank(searched, num_devices, gpu, batch, accept=runs, limit=1, **fewer)
+    sync = dict(grad_sync="per_micro_batch")
+    ranking = rank(searched, num_devices, gpu, batch, accept=runs, limit=1, **sync, **fewer)
     best = ranking.best.plan.parallel
     return dataclasses.replace(best, gpu=config.parallel.gpu)
 

@@ -115,8 +115,8 @@ def launch(
     auto_flags = flag_line(auto, base)
     if restricted:
         lines.append(
-            f"(`{auto_flags}` searches every plan; with {restricted} restricting this search "
-            "it may pick another)"
+            f"(`{auto_flags}` ranks every plan as the trainer runs it; with {restricted} "
+            "this ranking is another, so it may pick another plan)"
         )
     else:
         lines.append(
