@@ -3,6 +3,7 @@
 
 import os
 import tempfile
+import time
 
 import pytest
 
@@ -22,23 +23,24 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # starts last and keeps one worker busy after the other has finished.
 LONG_FILES = (
     "test_plan_memory.py",
+    "test_parallel.py",
     "test_pipeline.py",
     "test_collective_matmul.py",
-    "test_parallel.py",
-    "test_bad_inputs.py",
-    "test_trainer.py",
-    "test_overlap.py",
     "test_notebook.py",
-    "test_pipeline_state.py",
-    "test_chaos.py",
+    "test_trainer.py",
     "test_slurm.py",
-    "test_bench_gpu_check.py",
-    "test_moe_block.py",
-    "test_pipeline_training.py",
     "test_hf_convert.py",
-    "test_launch.py",
-    "test_bench_overlap.py",
-    "test_bench_compression.py",
+    "test_overlap.py",
+    "test_fp8_exchange.py",
+    "test_grad_exchange.py",
+    "test_bench_gpu_check.py",
+    "test_pipeline_state.py",
+    "test_moe_block.py",
+    "test_remat.py",
+    "test_chaos.py",
+    "test_sharded_weights.py",
+    "test_layout_coverage.py",
+    "test_ragged_exchange.py",
 )
 
 
@@ -68,7 +70,37 @@ def single_process_run(tmp_path_factory):
 @pytest.fixture(scope="session")
 def bad_input_run(tmp_path_factory):
     """A finished TINY run with checkpoints 2 and 4 that bad-input cases copy
-    (`tests/bad_inputs.py`), trained once per worker by the real command."""
+    (`tests/bad_inputs.py`), trained once per session by the real command."""
     from tests import bad_inputs
+    from tests.once import made_once
 
-    return bad_inputs.train_template(tmp_path_factory.mktemp("trained") / "run")
+    return made_once(tmp_path_factory, "bad_input_run", bad_inputs.train_template)
+
+
+@pytest.fixture(scope="session")
+def default_run(tmp_path_factory):
+    """`python -m moe_jax.train` with the default config, as a user types it (and at XLA's
+    own level, as a user's run compiles: 200 steps take twice as long unoptimised), made
+    once per session by whichever xdist worker first needs it: its workdir, exit status,
+    output and seconds. test_trainer checks the run; sample and evaluate read it."""
+    import json
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from tests.commands import ROOT, subprocess_env
+    from tests.once import made_once
+
+    def make(directory):
+        directory.mkdir(parents=True)
+        command = [sys.executable, "-m", "moe_jax.train", f"--workdir={directory / 'run'}"]
+        env = subprocess_env(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", XLA_FLAGS="")
+        start = time.time()
+        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+        result = dict(returncode=done.returncode, stdout=done.stdout, stderr=done.stderr)
+        result["seconds"] = time.time() - start
+        (directory / "result.json").write_text(json.dumps(result))
+
+    directory = made_once(tmp_path_factory, "default_run", make)
+    result = json.loads((directory / "result.json").read_text())
+    return SimpleNamespace(workdir=directory / "run", **result)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +19,7 @@ from moe_jax import saved_run
 from moe_jax.model import decode
 from moe_jax.parallel.layout import SINGLE_DEVICE
 from moe_jax.train_step import abstract_state
-from tests.commands import ROOT, subprocess_env
+from tests.commands import ROOT, run_command
 from tests.test_init_from import _saved_run
 
 MODEL = config_lib.Config(
@@ -34,13 +33,20 @@ MODEL = config_lib.Config(
 SP_EP = config_lib.ParallelConfig(attention="sp", experts="ep_a2a", data=2, intra=4)
 
 
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """MODEL freshly initialised and saved as a run, once for both plans."""
+    workdir = tmp_path_factory.mktemp("saved") / "run"
+    _saved_run(MODEL, workdir)
+    return workdir
+
+
 @pytest.mark.parametrize("parallel", [config_lib.ParallelConfig(), SP_EP], ids=["dp", "sp+ep_a2a"])
-def test_decoding_with_the_cache_gives_the_full_forward_logits(tmp_path, parallel):
+def test_decoding_with_the_cache_gives_the_full_forward_logits(saved, parallel):
     """A 10-token prompt in one pass, then 6 tokens one at a time: every position's
     logits equal the model's own forward pass over all 16 (parameters placed by the
     plan; the reference is the trained layout's forward)."""
-    _saved_run(MODEL, tmp_path / "run")
-    config, layout, graphdef, _, state = saved_run.restore(tmp_path / "run", parallel)
+    config, layout, graphdef, _, state = saved_run.restore(saved, parallel)
     tokens = np.random.default_rng(0).integers(0, 259, (8, 16)).astype(np.int32)
     placed = jax.device_put(
         tokens, jax.sharding.NamedSharding(layout.mesh, layout.activation_spec(2))
@@ -71,34 +77,26 @@ def test_top_p_keeps_the_smallest_set_holding_p():
     assert int(decode.next_token(logits, keys[0], 0.0, 1.0)[0]) == 1  # greedy
 
 
-def _command(module: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", module, *args],
-        cwd=ROOT,
-        env=subprocess_env(JAX_PLATFORMS="cpu"),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+def _command(command: str, *args: str) -> subprocess.CompletedProcess:
+    """`command` (of `tests.commands`) from the repository root, forked from the warm
+    interpreter: the command lines themselves run as real subprocesses in
+    test_bad_inputs, and the run they read is conftest's `default_run`, typed as a user
+    types it."""
+    return run_command(ROOT, command, list(args), timeout=600, warm=True)
 
 
 @pytest.fixture(scope="module")
-def default_run(tmp_path_factory):
-    """The default config's run (configs/default.py, the embedded corpus), cut short."""
-    workdir = tmp_path_factory.mktemp("default") / "run"
-    done = _command(
-        "moe_jax.train", f"--workdir={workdir}", "--config.train.steps=60",
-        "--config.train.eval_every=0", "--config.train.log_every=20",
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    return workdir
+def trained(default_run):
+    """The default config's run (configs/default.py, the embedded corpus)."""
+    assert default_run.returncode == 0, default_run.stderr[-3000:]
+    return default_run.workdir
 
 
-def test_sample_writes_python_looking_text_that_differs_across_seeds(default_run):
+def test_sample_writes_python_looking_text_that_differs_across_seeds(trained):
     texts = []
     for seed in (0, 1):
         run = _command(
-            "moe_jax.sample", f"--workdir={default_run}", "--prompt=def ",
+            "sample", f"--workdir={trained}", "--prompt=def ",
             "--max_new_tokens=120", f"--seed={seed}",
         )  # fmt: skip
         assert run.returncode == 0, run.stderr[-3000:]
@@ -111,21 +109,21 @@ def test_sample_writes_python_looking_text_that_differs_across_seeds(default_run
     assert texts[0] != texts[1]
 
 
-def test_evaluate_scores_the_checkpoint_as_the_run_did_and_other_data(default_run, tmp_path):
+def test_evaluate_scores_the_checkpoint_as_the_run_did_and_other_data(trained, tmp_path):
     """Its own validation split gives the run's last logged val_loss; prepared token
     files give another, finite loss."""
-    run = _command("moe_jax.evaluate", f"--workdir={default_run}")
+    run = _command("evaluate", f"--workdir={trained}")
     assert run.returncode == 0, run.stderr[-3000:]
     loss = float(re.search(r"val loss ([0-9.]+) nats/token", run.stdout)[1])
-    rows = [json.loads(line) for line in (default_run / "metrics.jsonl").open()]
+    rows = [json.loads(line) for line in (trained / "metrics.jsonl").open()]
     assert loss == pytest.approx([r["val_loss"] for r in rows if "val_loss" in r][-1], abs=1e-4)
-    assert "perplexity" in run.stdout and "step 60 of" in run.stdout
+    assert "perplexity" in run.stdout and "step 200 of" in run.stdout
     text = tmp_path / "text.txt"
     text.write_text("".join(f"line {i}: for x in range({i}): print(x)\n" for i in range(400)))
-    prepared = _command("moe_jax.data.prepare", f"--input={text}", f"--output={tmp_path / 'data'}")
+    prepared = _command("prepare", f"--input={text}", f"--output={tmp_path / 'data'}")
     assert prepared.returncode == 0, prepared.stderr[-3000:]
     other = _command(
-        "moe_jax.evaluate", f"--workdir={default_run}", "--config.data.source=tokens",
+        "evaluate", f"--workdir={trained}", "--config.data.source=tokens",
         f"--config.data.path={tmp_path / 'data'}", "--batches=2",
     )  # fmt: skip
     assert other.returncode == 0, other.stderr[-3000:]

@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -20,7 +19,7 @@ from moe_jax.checkpoint import Checkpointer
 from moe_jax.convert.hf_import import param_paths
 from moe_jax.parallel import pipeline
 from moe_jax.train_step import init_program
-from tests.commands import ROOT, subprocess_env
+from tests.commands import ROOT, run_command
 from tests.test_trainer import TINY
 
 DENSE = config_lib.Config(
@@ -79,14 +78,25 @@ def _upcycled(source, moe: config_lib.MoEConfig, upcycle: str):
     return graphdef, init_from.initial_params(config, layout, fresh.params), fresh.biases
 
 
+TOKENS = np.random.default_rng(0).integers(0, 259, (8, 16)).astype(np.int32)
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    """(a saved DENSE run at step 0, its logits on TOKENS), made once for the upcycling
+    tests that read it."""
+    workdir = tmp_path_factory.mktemp("dense") / "dense"
+    _saved_run(DENSE, workdir)
+    return workdir, _dense_logits(workdir, TOKENS)
+
+
 @pytest.mark.parametrize("upcycle", sorted(EXACT))
-def test_upcycled_model_computes_the_dense_model_exactly(tmp_path, upcycle: str):
-    _saved_run(DENSE, tmp_path / "dense")
-    tokens = np.random.default_rng(0).integers(0, 259, (8, 16)).astype(np.int32)
+def test_upcycled_model_computes_the_dense_model_exactly(dense, upcycle: str):
+    source, dense_logits = dense
     moe = config_lib.MoEConfig(**EXACT[upcycle])
-    graphdef, params, biases = _upcycled(tmp_path / "dense", moe, upcycle)
-    got = _logits(graphdef, params, biases, tokens)
-    np.testing.assert_allclose(got, _dense_logits(tmp_path / "dense", tokens), rtol=1e-5, atol=1e-5)
+    graphdef, params, biases = _upcycled(source, moe, upcycle)
+    got = _logits(graphdef, params, biases, TOKENS)
+    np.testing.assert_allclose(got, dense_logits, rtol=1e-5, atol=1e-5)
     flat = param_paths(params)
     assert flat["moe/units/blocks/0/ffn/gate"].shape == (2, moe.num_experts, 24, moe.expert_mlp_dim)
     router = np.asarray(flat["moe/units/blocks/0/ffn/router"])
@@ -94,24 +104,17 @@ def test_upcycled_model_computes_the_dense_model_exactly(tmp_path, upcycle: str)
     assert len({router[..., e].tobytes() for e in range(moe.num_experts)}) == copies
 
 
-def test_upcycled_model_is_not_the_dense_model_without_renormalising(tmp_path):
+def test_upcycled_model_is_not_the_dense_model_without_renormalising(dense):
     """`copy` without renormalising scales each MLP by the chosen weights' sum (< 1)."""
-    _saved_run(DENSE, tmp_path / "dense")
-    tokens = np.random.default_rng(0).integers(0, 259, (8, 16)).astype(np.int32)
+    source, dense_logits = dense
     moe = config_lib.MoEConfig(**EXACT["copy"], renormalize=False)
-    got = _logits(*_upcycled(tmp_path / "dense", moe, "copy"), tokens)
-    assert not np.allclose(got, _dense_logits(tmp_path / "dense", tokens), atol=1e-3)
+    got = _logits(*_upcycled(source, moe, "copy"), TOKENS)
+    assert not np.allclose(got, dense_logits, atol=1e-3)
 
 
 def _train(workdir, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "moe_jax.train", *TINY, f"--workdir={workdir}", *args],
-        cwd=ROOT,
-        env=subprocess_env(JAX_PLATFORMS="cpu"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    """`python -m moe_jax.train` forked from the warm interpreter (`tests.warm`)."""
+    return run_command(ROOT, "train", [*TINY, f"--workdir={workdir}", *args], warm=True)
 
 
 def test_init_from_and_upcycle_from_the_command_line(tmp_path):

@@ -1,6 +1,7 @@
 """The trainer with a pipeline: `parallel.stages=2` trains end to end on 8 CPU devices,
-in one process and as two processes of one stage each (`launch/local.py -n 2`), and logs
-the losses of the one-stage run over the same micro-batches (`train.grad_accum=M`)."""
+in one process (the test's own) and as two processes of one stage each (`launch/local.py
+-n 2`), and logs the losses of the one-stage run over the same micro-batches
+(`train.grad_accum=M`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from moe_jax import trainer
 from tests.multihost import MODEL, flags, losses, run
+from tests.settings import make_config
 
 STEPS = 10
 SETTINGS = {
@@ -27,12 +30,15 @@ ONE_STAGE = {"parallel.data": 2, "train.grad_accum": 4}
 
 
 def _train(workdir: Path, settings: dict, processes: int = 1) -> dict[int, float]:
-    command = [sys.executable, "-m", "moe_jax.train"]
-    if processes > 1:
-        command = [sys.executable, "launch/local.py", "-n", str(processes), "--devices", "4", "--"]
-    devices = 8 // processes
-    done = run([*command, f"--workdir={workdir}", *flags(settings, STEPS)], devices=devices)
-    assert done.returncode == 0, done.stderr[-3000:]
+    """The run on 8 CPU devices: in this process (which has 8), or as `processes`
+    processes of `launch/local.py`."""
+    if processes == 1:
+        trainer.run(make_config({**settings, "train.steps": STEPS}), workdir)
+    else:
+        launch = [sys.executable, "launch/local.py", "-n", str(processes), "--devices", "4"]
+        command = [*launch, "--", f"--workdir={workdir}", *flags(settings, STEPS)]
+        done = run(command, devices=8 // processes)
+        assert done.returncode == 0, done.stderr[-3000:]
     got = losses(workdir)
     assert sorted(got) == list(range(1, STEPS + 1))
     return got
