@@ -31,30 +31,17 @@ from absl import app, flags
 from moe_jax import cli
 from moe_jax import config as config_lib
 from moe_jax.plan import cost_model, planner, printout
-from moe_jax.plan.describe import flag_line, plan_line
+from moe_jax.plan.describe import PLAN_FIELDS, flag_line, plan_line
 from moe_jax.plan.hardware import GPUS, get
 from moe_jax.signals import interruptible
 
 MAX_GPUS = 1_000_000
 MAX_BATCH = 100_000_000
 # The settings the search chooses: an override of one would be ignored, so it is refused.
-SEARCHED = (
-    "layout",
-    "attention",
-    "experts",
-    "intra",
-    "data",
-    "zero",
-    "etp",
-    "expert_fsdp",
-    "overlap_chunks",
-    "collective_matmul",
-    "stages",
-    "microbatches",
-    "repeats",
-)
+KEPT_FIELDS = ("token_dtype", "grad_exchange", "vocab_parallel")  # the config's, kept
+SEARCHED = ("layout", *(f for f in PLAN_FIELDS if f not in KEPT_FIELDS))
 INSTEAD = {"stages": "--pp", "collective_matmul": "--overlap", "overlap_chunks": "--overlap"}
-KEPT = "token_dtype, grad_exchange, vocab_parallel, a2a_buffer_factor"
+KEPT = ", ".join((*KEPT_FIELDS, "a2a_buffer_factor"))
 
 
 def define_flags() -> None:
