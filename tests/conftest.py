@@ -104,3 +104,17 @@ def default_run(tmp_path_factory):
     directory = made_once(tmp_path_factory, "default_run", make)
     result = json.loads((directory / "result.json").read_text())
     return SimpleNamespace(workdir=directory / "run", **result)
+
+
+@pytest.fixture(scope="session")
+def two_step_run(tmp_path_factory):
+    """A finished 2-step run of test_trainer's `tiny_config` (checkpoint 2) on the 8 test
+    devices, trained once per session for the tests that copy it."""
+    from moe_jax import trainer
+    from tests.once import made_once
+    from tests.test_trainer import tiny_config
+
+    def make(run):
+        trainer.run(tiny_config(steps=2, eval_every=0, checkpoint_every=2), run)
+
+    return made_once(tmp_path_factory, "two_step_run", make)

@@ -3,7 +3,7 @@ the run resumes from the one before it, exactly as if nothing had happened."""
 
 from __future__ import annotations
 
-import functools
+import shutil
 from pathlib import Path
 
 import pytest
@@ -21,10 +21,21 @@ def _losses(run: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in read_rows(run / "metrics.jsonl") if "loss" in r]
 
 
-@functools.cache
-def _straight(root: Path) -> list[tuple[int, float]]:
-    trainer.run(_config(6), root / "straight")
-    return _losses(root / "straight")
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> list[tuple[int, float]]:
+    """The losses of the uninterrupted 6-step run."""
+    run = tmp_path_factory.mktemp("straight") / "run"
+    trainer.run(_config(6), run)
+    return _losses(run)
+
+
+@pytest.fixture(scope="module")
+def four_steps(tmp_path_factory) -> Path:
+    """The same run stopped after step 4 (checkpoints 2 and 4), trained once and copied
+    by each case before it damages the newest checkpoint."""
+    run = tmp_path_factory.mktemp("four_steps") / "run"
+    trainer.run(_config(4), run)
+    return run
 
 
 def _truncate_a_data_file(step_dir: Path) -> None:
@@ -53,12 +64,10 @@ DAMAGE = {
 
 
 @pytest.mark.parametrize("kind", DAMAGE)
-def test_damaged_newest_checkpoint_is_set_aside_and_the_run_resumes(tmp_path_factory, capsys, kind):
-    root = tmp_path_factory.getbasetemp() / "damage_reference"
-    root.mkdir(exist_ok=True)
-    want = _straight(root)
-    run = tmp_path_factory.mktemp(kind) / "run"
-    trainer.run(_config(4), run)
+def test_damaged_newest_checkpoint_is_set_aside_and_the_run_resumes(
+    tmp_path, straight, four_steps, capsys, kind
+):
+    run = Path(shutil.copytree(four_steps, tmp_path / "run", symlinks=True))
     newest = run / "checkpoints" / "4"
     DAMAGE[kind](newest)
     capsys.readouterr()
@@ -70,4 +79,4 @@ def test_damaged_newest_checkpoint_is_set_aside_and_the_run_resumes(tmp_path_fac
     assert f"moved to {run / 'checkpoints-damaged' / '4'}" in damaged[0]
     assert f"resumed from {run / 'checkpoints' / '2'}" in out
     assert (run / "checkpoints-damaged" / "4").is_dir()  # kept, not deleted
-    assert _losses(run) == want  # steps 3-6 again, exactly as an uninterrupted run
+    assert _losses(run) == straight  # steps 3-6 again, exactly as an uninterrupted run

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from moe_jax import distributed
-from tests.commands import TINY, subprocess_env
+from tests.commands import TINY, run_command, subprocess_env
 from tests.multihost import MODEL, ROOT, SAVED_PLAN, STEPS, flags, losses, run
 
 
@@ -36,10 +36,8 @@ def test_two_local_processes_match_one(tmp_path, single_process_run):
 
 
 def test_incomplete_distributed_flags_are_one_line():
-    done = run(
-        [sys.executable, "-m", "moe_jax.train", "--num_processes=2", "--config.train.steps=1"],
-        devices=1,
-    )
+    args = ["--num_processes=2", "--config.train.steps=1"]
+    done = run_command(ROOT, "train", args, warm=True)  # one CPU device
     assert done.returncode == 1
     error = done.stderr.strip().splitlines()[-1]
     assert error.startswith("error: --coordinator=''") and "process_id" in error

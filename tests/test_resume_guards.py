@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import signal
 from pathlib import Path
 
@@ -17,10 +18,10 @@ from moe_jax.metrics import read_rows
 from tests.test_trainer import TINY, _snapshot, _start, _train_cmd, _wait_for, tiny_config
 
 
-def _ran(tmp_path: Path, steps: int = 2) -> Path:
-    run = tmp_path / "run"
-    trainer.run(tiny_config(steps=steps, eval_every=0, checkpoint_every=steps), run)
-    return run
+def _ran(tmp_path: Path, two_step_run: Path) -> Path:
+    """A copy of conftest's finished 2-step run of tiny_config (checkpoint 2), in
+    `tmp_path` (as if it had been trained there)."""
+    return Path(shutil.copytree(two_step_run, tmp_path / "run", symlinks=True))
 
 
 def _refused(config, run: Path, *words: str) -> None:
@@ -33,8 +34,8 @@ def _refused(config, run: Path, *words: str) -> None:
     assert _snapshot(run) == before
 
 
-def test_changed_batch_size_is_refused_and_other_changes_are_named(tmp_path, capsys):
-    run = _ran(tmp_path)
+def test_changed_batch_size_is_refused_and_other_changes_are_named(tmp_path, two_step_run, capsys):
+    run = _ran(tmp_path, two_step_run)
     _refused(tiny_config(steps=4, eval_every=0, batch_size=16), run, "train.batch_size=16", "8")
     capsys.readouterr()
     trainer.run(tiny_config(steps=3, eval_every=0, checkpoint_every=2, learning_rate=1e-3), run)
@@ -43,8 +44,8 @@ def test_changed_batch_size_is_refused_and_other_changes_are_named(tmp_path, cap
     assert "train.steps=3 (was 2)" in out
 
 
-def test_a_finished_run_says_so_and_writes_nothing(tmp_path, capsys):
-    run = _ran(tmp_path, steps=2)
+def test_a_finished_run_says_so_and_writes_nothing(tmp_path, two_step_run, capsys):
+    run = _ran(tmp_path, two_step_run)
     before = _snapshot(run)
     capsys.readouterr()
     trainer.run(tiny_config(steps=1, eval_every=0, checkpoint_every=2), run)
@@ -52,8 +53,8 @@ def test_a_finished_run_says_so_and_writes_nothing(tmp_path, capsys):
     assert _snapshot(run) == before
 
 
-def test_a_torn_last_metrics_line_is_repaired(tmp_path):
-    run = _ran(tmp_path, steps=2)
+def test_a_torn_last_metrics_line_is_repaired(tmp_path, two_step_run):
+    run = _ran(tmp_path, two_step_run)
     with (run / "metrics.jsonl").open("a") as f:
         f.write('{"step": 3, "lo')  # a crash in the middle of a write
     trainer.run(tiny_config(steps=4, eval_every=0, checkpoint_every=2), run)
@@ -90,10 +91,10 @@ def test_ctrl_c_during_start_up_is_one_line(tmp_path):
         assert err.strip().splitlines()[-1].startswith("error: interrupted (Ctrl-C)")
 
 
-def test_resume_settings_come_from_the_checkpoint_not_its_files(tmp_path):
+def test_resume_settings_come_from_the_checkpoint_not_its_files(tmp_path, two_step_run):
     """The compatibility check reads the saved config through orbax, so it holds whatever
     orbax names its files."""
-    run = _ran(tmp_path)
+    run = _ran(tmp_path, two_step_run)
     from moe_jax.checkpoint import Checkpointer
 
     saved = Checkpointer(run / "checkpoints", 3).saved_config(2)
@@ -101,14 +102,16 @@ def test_resume_settings_come_from_the_checkpoint_not_its_files(tmp_path):
     assert saved["model"] == want["model"] and saved["train"]["steps"] == 2
 
 
-def test_a_disk_filling_during_the_run_stops_before_the_next_save(tmp_path, monkeypatch):
+def test_a_disk_filling_during_the_run_stops_before_the_next_save(
+    tmp_path, two_step_run, monkeypatch
+):
     """Free space is checked again before each save (another writer may have taken it
     since the start): one line, nothing written, the last checkpoint intact."""
     import collections
 
     from moe_jax import checkpoint
 
-    run = _ran(tmp_path, steps=2)
+    run = _ran(tmp_path, two_step_run)
     real, calls = checkpoint.shutil.disk_usage, []
     usage = collections.namedtuple("usage", "total used free")
 
