@@ -164,21 +164,6 @@ class Checkpointer:
             self._manager = None
         return target
 
-    def check_compatible(self, config: dict[str, Any]) -> None:
-        """Refuses to resume a checkpoint written for a different architecture."""
-        found = self.newest_readable()
-        if found is None:
-            return
-        step, saved = found
-        ours, theirs = architecture(config), architecture(saved)
-        for key in sorted(set(ours) | set(theirs)):
-            if ours.get(key) != theirs.get(key):
-                raise ValueError(
-                    f"{self.directory} holds a checkpoint (step {step}) of another model: "
-                    f"{key}={theirs.get(key)!r} there, {ours.get(key)!r} here; "
-                    "use a new --workdir or the matching config"
-                )
-
     def saved_config(self, step: int) -> dict[str, Any]:
         """The resolved config the checkpoint of `step` was written with (read through
         orbax, whatever its file layout)."""

@@ -147,11 +147,6 @@ def follow_umask(path: Path | str) -> None:
     os.chmod(path, 0o666 & ~umask())
 
 
-def _section_get(config: Any, section: str, key: str) -> Any:
-    part = config[section] if isinstance(config, dict) else getattr(config, section)
-    return part.get(key) if isinstance(part, dict) else getattr(part, key)
-
-
 def store(value: str, run_dir: Path) -> str:
     """A path setting as a run stores it: relative to `run_dir` when it lies at most
     `NEAR` levels above the run directory (runs/ and data/ side by side in a project,
@@ -199,17 +194,3 @@ def resolved(config_dict: dict[str, Any], run_dir: Path) -> dict[str, Any]:
         if isinstance(value, str):
             out[section][key] = resolve(value, run_dir)
     return out
-
-
-def absolute(config):
-    """A loaded `Config` with its path settings absolute (against the working
-    directory), so that nothing depends on where the command was started."""
-    import dataclasses
-
-    changes: dict[str, Any] = {}
-    for section, key in PATH_SETTINGS:
-        value = _section_get(config, section, key)
-        if value and not os.path.isabs(value):
-            part = changes.get(section, getattr(config, section))
-            changes[section] = dataclasses.replace(part, **{key: os.path.abspath(value)})
-    return dataclasses.replace(config, **changes) if changes else config
