@@ -142,20 +142,19 @@ def accumulated(params, biases, graphdef, batch, config: Config, loss):
         lambda x: x.reshape(x.shape[0] // micro, micro, *x.shape[1:]).swapaxes(0, 1), batch
     )
 
-    def accumulate(total, micro_batch):
-        (_, metrics), grads = grad_fn(params, biases, graphdef, micro_batch, config)
-        return jax.tree.map(jnp.add, total, (metrics, grads)), None
+    def accumulate(grads, micro_batch):
+        (_, metrics), more = grad_fn(params, biases, graphdef, micro_batch, config)
+        return jax.tree.map(jnp.add, grads, more), metrics
 
-    first = jax.tree.map(lambda x: x[0], split)
-    shapes = jax.eval_shape(lambda: grad_fn(params, biases, graphdef, first, config))
     # Gradients start as zeros like the parameters: inside a shard_map they then vary
-    # over the same mesh axes as the gradients the scan adds to them.
-    zeros = (
-        jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[0][1]),
-        jax.tree.map(jnp.zeros_like, params),
-    )
-    total, _ = jax.lax.scan(accumulate, zeros, split)
-    metrics, grads = jax.tree.map(lambda x: x / micro, total)
+    # over the same mesh axes as the gradients the scan adds to them. Metrics leave the
+    # scan stacked (the loss is traced once, with no shapes to know beforehand) and are
+    # summed in micro-batch order, as the carry would have summed them.
+    grads, stacked = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params), split)
+    metrics = jax.tree.map(lambda x: x[0], stacked)
+    for m in range(1, micro):
+        metrics = jax.tree.map(lambda total, x, m=m: total + x[m], metrics, stacked)
+    metrics, grads = jax.tree.map(lambda x: x / micro, (metrics, grads))
     if "load" in metrics:
         metrics["load"] = metrics["load"] * micro  # loads add up over the whole batch
     return metrics, grads
