@@ -403,3 +403,32 @@ def test_init_from_into_a_pipeline_trains_as_the_unpipelined_run(built, tmp_path
         for key in ("loss", "lm_loss", "aux_loss", "grad_norm", "load"):
             np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=key)
         assert_trees_close(got_params, want_params, rtol=1e-5)
+
+
+def test_fp8_block_scaled_checkpoint_imports_to_the_dequantised_values(built, tmp_path):
+    """Mixtral's tiny model quantised here to float8_e4m3fn with 128x128 block scales, as
+    DeepSeek-V3 ships its weights (float32 scales; the experts' down projections with
+    "ue8m0" power-of-two scales; lm_head [301, 40] spans three row blocks, the last
+    cropped to 45 rows; weights and scales in different shards): the import holds
+    exactly the float32 values of each block times its scale, i.e. the same bits as
+    importing those values stored as float32."""
+    from tests.fp8_checkpoint import write_quantised
+
+    source = built("MixtralForCausalLM") / "hf"
+    tensors = load_file(str(source / "model.safetensors"))
+    config = json.loads((source / "config.json").read_text())
+
+    def pick(name: str) -> str | None:  # every linear weight but the router's
+        if name.endswith("norm.weight") or "embed" in name or name.endswith("gate.weight"):
+            return None
+        return "ue8m0" if name.endswith(".w2.weight") else "f32"
+
+    values = write_quantised(tensors, config, tmp_path / "fp8", pick)
+    assert not np.array_equal(values["lm_head.weight"], tensors["lm_head.weight"])
+    plain = tmp_path / "float32"
+    plain.mkdir()
+    save_file(values, str(plain / "model.safetensors"), metadata={"format": "pt"})
+    (plain / "config.json").write_text(json.dumps(config))
+    _import(tmp_path / "fp8", tmp_path / "from_fp8")
+    _import(plain, tmp_path / "from_float32")
+    _assert_identical(_params(tmp_path / "from_fp8"), _params(tmp_path / "from_float32"))

@@ -14,13 +14,12 @@ import jax
 import numpy as np
 
 from moe_jax.config import Config
-from moe_jax.convert import families
+from moe_jax.convert import families, fp8
 from moe_jax.convert.families import Family, Tensors
 from moe_jax.convert.safetensors_files import SafetensorsDir
 
 
-def read_hf_config(directory: Path) -> tuple[Family, Config, dict[str, Any]]:
-    """(family, moe_jax architecture, the raw config.json) of a checkpoint directory."""
+def _config_json(directory: Path) -> tuple[Path, dict[str, Any]]:
     path = directory / "config.json"
     if not path.is_file():
         raise ValueError(f"{directory}: no config.json (a Hugging Face checkpoint directory)")
@@ -33,12 +32,20 @@ def read_hf_config(directory: Path) -> tuple[Family, Config, dict[str, Any]]:
             f"{path} holds a JSON {type(hf).__name__}; a Hugging Face config.json is an "
             "object of settings"
         )
+    return path, hf
+
+
+def read_hf_config(directory: Path) -> tuple[Family, Config, dict[str, Any]]:
+    """(family, moe_jax architecture, the raw config.json) of a checkpoint directory;
+    one line for a setting it cannot take, its FP8 `quantization_config` included."""
+    path, hf = _config_json(directory)
     try:
         family, config = families.to_config(hf, str(directory))
     except KeyError as key:
         raise ValueError(f"{path} has no {key} setting, which its family needs") from None
     except (TypeError, AttributeError, ArithmeticError) as error:
         raise ValueError(f"{path} has a setting of the wrong type or value ({error})") from None
+    fp8.block_size(hf, str(path))
     return family, config, hf
 
 
@@ -134,8 +141,10 @@ def _placed(leaf, sharding, source, read) -> jax.Array:
 def load_params(directory: Path, family: Family, config: Config, abstract, shardings):
     """The parameters of the checkpoint in `directory`, laid out as `abstract` (an
     nnx.State of shapes) in `shardings`. One line for a missing shard, tensor, a wrong
-    shape or a tensor left over, before any tensor is read."""
-    stored = SafetensorsDir(directory)
+    shape or a tensor left over, and for FP8 weights without their scales (`fp8`),
+    before any tensor is read. Quantised weights are read as their float32 values."""
+    path, hf = _config_json(directory)
+    stored = SafetensorsDir(directory, fp8.block_size(hf, str(path)))
     wanted = sources(family, config, _fused_layers(stored.shapes, config))
     leaves, places = param_paths(abstract), param_paths(shardings)
     unmapped = sorted(set(leaves) - set(wanted))

@@ -1,7 +1,8 @@
 """A Hugging Face checkpoint directory's `*.safetensors` shards, read lazily, and sharded
 writing of new ones. Only headers are read up front; a tensor (or a slice of it, such
 as one expert of a fused [E, ...] tensor) is read when asked for, so a model never
-sits whole in host memory."""
+sits whole in host memory. Block-scaled FP8 weights (`fp8`) read as their float32
+values."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from safetensors import safe_open
 from safetensors.flax import save_file
 
 from moe_jax import paths
+from moe_jax.convert import fp8
 
 INDEX = "model.safetensors.index.json"
 
@@ -31,12 +33,23 @@ class Lazy:
         return np.asarray(self._slice[key], np.float32)
 
 
+def _header(path: Path) -> tuple[dict[str, Any], int]:
+    """A safetensors file's JSON header, and where its tensor bytes begin (after the
+    8-byte little-endian length of the header and the header)."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        return json.loads(f.read(size)), 8 + size
+
+
 class SafetensorsDir:
     """The tensors of a checkpoint directory: by `model.safetensors.index.json` when
-    there is one (every shard it names must exist), else every `*.safetensors` file."""
+    there is one (every shard it names must exist), else every `*.safetensors` file.
+    `block`: the FP8 `quantization_config.weight_block_size`, if the checkpoint has one.
+    `shapes` holds the tensors as the model reads them: a quantised weight's block
+    scales are part of it, not tensors of their own."""
 
-    def __init__(self, directory: Path):
-        self.directory = directory
+    def __init__(self, directory: Path, block: tuple[int, int] | None = None):
+        self.directory, self._block = directory, block
         index = directory / INDEX
         if index.exists():
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -53,7 +66,9 @@ class SafetensorsDir:
                 raise ValueError(f"{directory}: no *.safetensors files and no {INDEX}")
         cpu = jax.devices("cpu")[0]  # read into host memory, never onto an accelerator
         self._handles: dict[str, Any] = {}
+        self._files: dict[str, Path] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
+        dtypes: dict[str, str] = {}
         with jax.default_device(cpu):
             for name in files:
                 try:
@@ -64,12 +79,35 @@ class SafetensorsDir:
                         f"{directory / name} is not a readable safetensors file ({reason})"
                     ) from None
                 for key in handle.keys():  # noqa: SIM118 (a safe_open handle, not a dict)
-                    self._handles[key] = handle
-                    self.shapes[key] = tuple(handle.get_slice(key).get_shape())
+                    self._handles[key], self._files[key] = handle, directory / name
+                    view = handle.get_slice(key)
+                    self.shapes[key], dtypes[key] = tuple(view.get_shape()), view.get_dtype()
+        self._scales = fp8.quantised(dtypes, self.shapes, block, str(directory))
+        self._power_of_two = {
+            s for s in self._scales.values() if dtypes[s] in fp8.POWER_OF_TWO_SCALES
+        }
+        self._scale_shapes = {s: self.shapes.pop(s) for s in self._scales.values()}
 
-    def get(self, name: str) -> Lazy:
+    def _mapped(self, name: str, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+        """A tensor as a read-only memory map of `dtype`, read as it is indexed:
+        safetensors' numpy and flax readers cannot name the float8 dtypes (numpy has
+        none), so those are mapped from the file, where its header says they lie."""
+        path = self._files[name]
+        header, start = _header(path)
+        begin, _ = header[name]["data_offsets"]
+        return np.memmap(path, dtype, "r", offset=start + begin, shape=shape)
+
+    def get(self, name: str) -> Lazy | fp8.Dequantised:
         with jax.default_device(jax.devices("cpu")[0]):
-            return Lazy(self._handles[name], name)
+            if name not in self._scales:
+                return Lazy(self._handles[name], name)
+            scale = self._scales[name]
+            if scale in self._power_of_two:
+                scales = self._mapped(scale, fp8.E8M0, self._scale_shapes[scale])
+            else:
+                scales = Lazy(self._handles[scale], scale)
+            weight = self._mapped(name, fp8.E4M3, self.shapes[name])
+            return fp8.Dequantised(weight, scales, self._block)
 
 
 def write_shards(
