@@ -26,7 +26,7 @@ E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
 POWER_OF_TWO_SCALES = ("U8", "F8_E8M0")
 SCALES = ("F32", "BF16", "F16", *POWER_OF_TWO_SCALES)
-ONE_BYTE = ("BOOL", "U8", "I8", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F8_E4M3FNUZ", "F8_E5M2FNUZ")
+ONE_BYTE = ("U8", "I8", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F8_E4M3FNUZ", "F8_E5M2FNUZ")
 EXAMPLE = "{'quant_method': 'fp8', 'fmt': 'e4m3', 'weight_block_size': [128, 128]}"
 
 

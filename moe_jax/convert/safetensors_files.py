@@ -67,6 +67,7 @@ class SafetensorsDir:
         cpu = jax.devices("cpu")[0]  # read into host memory, never onto an accelerator
         self._handles: dict[str, Any] = {}
         self._files: dict[str, Path] = {}
+        self._headers: dict[Path, tuple[dict[str, Any], int]] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
         dtypes: dict[str, str] = {}
         with jax.default_device(cpu):
@@ -93,7 +94,9 @@ class SafetensorsDir:
         safetensors' numpy and flax readers cannot name the float8 dtypes (numpy has
         none), so those are mapped from the file, where its header says they lie."""
         path = self._files[name]
-        header, start = _header(path)
+        if path not in self._headers:  # parsed once per shard, when first needed
+            self._headers[path] = _header(path)
+        header, start = self._headers[path]
         begin, _ = header[name]["data_offsets"]
         return np.memmap(path, dtype, "r", offset=start + begin, shape=shape)
 
