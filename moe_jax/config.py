@@ -28,6 +28,8 @@ REMAT = ("none", "full", "selective", "offload")  # see moe_jax.model.remat
 UPCYCLE = ("none", "copy", "split")  # see moe_jax.init_from
 WANDB = ("off", "offline", "online")  # see moe_jax.metrics
 QK_NORMS = ("none", "head", "projection")  # see moe_jax.model.attention
+ROPE_SCALINGS = ("none", "linear", "yarn")  # see moe_jax.model.rope
+GROUP_SCORES = ("top2_sum", "max")  # see moe_jax.moe.routing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +47,9 @@ class MoEConfig:
     routed_scaling: float = 1.0
     n_groups: int = 1  # group-limited routing (DeepSeek-V3); 1 disables it
     topk_groups: int = 1
+    # What ranks a group: the sum of its best two scores (DeepSeek-V3) or its best
+    # score (DeepSeek-V2's group_limited_greedy).
+    group_score: str = "top2_sum"
     capacity_factor: float = 0.0  # 0 = dropless
     impl: str = "auto"
     tile_size: int = 0  # rows per tile of the `tiled` grouped matmul; 0 = auto
@@ -87,6 +92,17 @@ class ModelConfig:
     moe_every: int = 1  # after the dense prefix, every moe_every-th layer is MoE
     tie_embeddings: bool = False
     rope_theta: float = 10000.0
+    # Rotary scaling the checkpoint was trained with (moe_jax.model.rope; names after
+    # Hugging Face's rope_parameters): none, linear (positions / rope_factor) or yarn.
+    rope_scaling: str = "none"
+    rope_factor: float = 1.0
+    rope_original_max_position: int = 0  # yarn: the pretraining context length
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_mscale: float = 0.0  # yarn; 0 = unset
+    rope_mscale_all_dim: float = 0.0  # yarn; 0 = unset
+    rope_attention_factor: float = 0.0  # yarn's cos/sin factor; 0 = from factor and mscales
+    rope_truncate: bool = True  # yarn: round the correction range to whole pairs
     norm_eps: float = 1e-6
     qkv_bias: bool = False  # biases on the query, key and value projections (Qwen2)
     # RMSNorm on queries and keys before rotary: none, head (over each head, Qwen3) or
@@ -304,6 +320,7 @@ def validate(config: Config) -> None:
         m.rope_theta,
         "must be > 1 (the base of the rotary wavelengths; 1 makes every frequency equal)",
     )
+    config_rules.validate_rope(m, ROPE_SCALINGS)
     _check(
         m.num_heads % m.num_kv_heads == 0,
         "model.num_heads",
@@ -338,6 +355,9 @@ def validate(config: Config) -> None:
         f"must be <= moe.num_experts={e.num_experts}",
     )
     _check(e.score_fn in SCORE_FNS, "moe.score_fn", e.score_fn, f"valid: {SCORE_FNS}")
+    _check(
+        e.group_score in GROUP_SCORES, "moe.group_score", e.group_score, f"valid: {GROUP_SCORES}"
+    )
     _check(e.impl in MOE_IMPLS, "moe.impl", e.impl, f"valid: {MOE_IMPLS}")
     _validate_moe_impl(e)
     _check(

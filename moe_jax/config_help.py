@@ -24,6 +24,24 @@ MEANINGS: dict[str, str] = {
     "model.moe_every": "after the dense prefix, every `moe_every`-th layer is MoE",
     "model.tie_embeddings": "the output head reuses the embedding table",
     "model.rope_theta": "base of the rotary position embedding (> 1)",
+    "model.rope_scaling": (
+        "rotary scaling the checkpoint was trained with (HF `rope_type`): `none`, `linear` "
+        "(positions / `rope_factor`) or `yarn`"
+    ),
+    "model.rope_factor": "linear and yarn: how many times the context is stretched (>= 1)",
+    "model.rope_original_max_position": (
+        "yarn: the pretraining context length (HF `original_max_position_embeddings`)"
+    ),
+    "model.rope_beta_fast": "yarn: rotations bounding the kept fast pairs (HF `beta_fast`)",
+    "model.rope_beta_slow": "yarn: rotations bounding the interpolated slow pairs (HF `beta_slow`)",
+    "model.rope_mscale": "yarn: HF `mscale` of the cos/sin factor; 0 = unset",
+    "model.rope_mscale_all_dim": (
+        "yarn: HF `mscale_all_dim` (cos/sin factor, and MLA's softmax scale); 0 = unset"
+    ),
+    "model.rope_attention_factor": (
+        "yarn: HF `attention_factor` on cos/sin; 0 = from the factor and the mscales"
+    ),
+    "model.rope_truncate": "yarn: round the correction range to whole pairs (HF `truncate`)",
     "model.norm_eps": "epsilon of every RMSNorm",
     "model.qkv_bias": "biases on the query, key and value projections (Qwen2, Qwen2-MoE)",
     "model.qk_norm": (
@@ -53,6 +71,10 @@ MEANINGS: dict[str, str] = {
     "moe.routed_scaling": "factor on the routed experts' combine weights",
     "moe.n_groups": "expert groups for group-limited routing (DeepSeek-V3); 1 disables it",
     "moe.topk_groups": "groups a token may choose its experts from",
+    "moe.group_score": (
+        "what ranks a group: `top2_sum` (the sum of its best two biased scores, DeepSeek-V3) "
+        "or `max` (its best score, DeepSeek-V2's group_limited_greedy)"
+    ),
     "moe.capacity_factor": (
         "slots per expert as a multiple of `tokens * top_k / num_experts`; 0 = dropless"
     ),

@@ -46,10 +46,74 @@ def check_finite(config: Config) -> None:
         check(math.isfinite(value), setting, value, "must be finite")
 
 
+def validate_rope(m: Any, kinds: tuple[str, ...]) -> None:
+    """The rotary scaling's own ranges (`model.rope_*`, see `moe_jax.model.rope`)."""
+    check(m.rope_scaling in kinds, "model.rope_scaling", m.rope_scaling, f"valid: {kinds}")
+    check(
+        m.rope_factor >= 1,
+        "model.rope_factor",
+        m.rope_factor,
+        "must be >= 1 (how many times the context is stretched)",
+    )
+    if m.rope_scaling != "yarn":
+        return
+    check(
+        m.rope_original_max_position > 0,
+        "model.rope_original_max_position",
+        m.rope_original_max_position,
+        "must be > 0 with model.rope_scaling='yarn' (the pretraining context length)",
+    )
+    check(m.rope_beta_slow > 0, "model.rope_beta_slow", m.rope_beta_slow, "must be > 0")
+    check(
+        m.rope_beta_fast >= m.rope_beta_slow,
+        "model.rope_beta_fast",
+        m.rope_beta_fast,
+        f"must be >= model.rope_beta_slow={m.rope_beta_slow} (rotations of the fast end)",
+    )
+    for name in ("rope_mscale", "rope_mscale_all_dim", "rope_attention_factor"):
+        check(getattr(m, name) >= 0, f"model.{name}", getattr(m, name), "must be >= 0 (0 = unset)")
+
+
+# Settings only one rotary scaling reads, with the scalings that read them.
+_ROPE_READERS = {
+    "rope_factor": ("linear", "yarn"),
+    "rope_original_max_position": ("yarn",),
+    "rope_beta_fast": ("yarn",),
+    "rope_beta_slow": ("yarn",),
+    "rope_mscale": ("yarn",),
+    "rope_mscale_all_dim": ("yarn",),
+    "rope_attention_factor": ("yarn",),
+    "rope_truncate": ("yarn",),
+}
+
+
+def _check_turned_off_rope_and_groups(config: Config) -> None:
+    """A `model.rope_*` setting the chosen scaling does not read, and a group score
+    without groups."""
+    m, e = config.model, config.moe
+    defaults = type(m)()
+    for name, readers in _ROPE_READERS.items():
+        value = getattr(m, name)
+        check(
+            value == getattr(defaults, name) or m.rope_scaling in readers,
+            f"model.{name}",
+            value,
+            f"only model.rope_scaling in {readers} reads it (model.rope_scaling="
+            f"{m.rope_scaling!r} here): leave it {getattr(defaults, name)!r}",
+        )
+    check(
+        e.group_score == type(e)().group_score or e.n_groups > 1,
+        "moe.group_score",
+        e.group_score,
+        "ranks the groups of group-limited routing, off here (moe.n_groups=1)",
+    )
+
+
 def check_meaningful(config: Config) -> None:
     """Settings that another setting turns off, so that the value given would be
     silently ignored, and windows that lie beyond the run."""
     d, t, p = config.data, config.train, config.parallel
+    _check_turned_off_rope_and_groups(config)
     check(
         not d.path or d.source == "tokens",
         "data.path",

@@ -50,6 +50,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 @pytest.fixture(scope="session")
+def hf_built(tmp_path_factory):
+    """Every family's tiny random transformers model and the rotary and routing
+    references (`tests.hf_side.build_all`), built once per session for the files that
+    read them: architecture -> its directory."""
+    from tests import hf_side
+    from tests.once import made_once
+
+    root = made_once(tmp_path_factory, "hf_built", hf_side.build_all)
+    return lambda architecture: root / architecture
+
+
+@pytest.fixture(scope="session")
 def single_process_run(tmp_path_factory):
     """The uninterrupted run on the 8 test devices, in this process, that the
     multi-process runs must reproduce (made once per session, by whichever xdist worker

@@ -21,7 +21,8 @@ def select(logits: jax.Array, bias: jax.Array, cfg: MoEConfig):
         row = biased[t].copy()
         if cfg.n_groups > 1:
             groups = row.reshape(cfg.n_groups, size)
-            group_score = np.sort(groups, -1)[:, -min(2, size) :].sum(-1)
+            best = 1 if cfg.group_score == "max" else min(2, size)
+            group_score = np.sort(groups, -1)[:, -best:].sum(-1)
             best_groups = np.argsort(-group_score, kind="stable")[: cfg.topk_groups]
             for g in range(cfg.n_groups):
                 if g not in best_groups:

@@ -75,6 +75,44 @@ BAD_CONFIGS = [
     ("seed_negative", {"train.seed": -1}, "train.seed"),
     ("seed_beyond_32_bits", {"train.seed": 2**32}, "train.seed"),
     ("rope_theta_one", {"model.rope_theta": 1.0}, "model.rope_theta"),
+    ("unknown_rope_scaling", {"model.rope_scaling": "dynamic"}, "model.rope_scaling"),
+    (
+        "rope_factor_below_one",
+        {"model.rope_scaling": "linear", "model.rope_factor": 0.5},
+        "model.rope_factor",
+    ),
+    ("rope_factor_nan", {"model.rope_factor": math.nan}, "model.rope_factor"),
+    (
+        "yarn_without_original_length",
+        {"model.rope_scaling": "yarn", "model.rope_factor": 4.0},
+        "model.rope_original_max_position",
+    ),
+    (
+        "yarn_beta_fast_below_slow",
+        {
+            "model.rope_scaling": "yarn",
+            "model.rope_original_max_position": 4096,
+            "model.rope_beta_fast": 0.5,
+        },
+        "model.rope_beta_fast",
+    ),
+    (
+        "yarn_negative_mscale",
+        {
+            "model.rope_scaling": "yarn",
+            "model.rope_original_max_position": 4096,
+            "model.rope_mscale_all_dim": -1.0,
+        },
+        "model.rope_mscale_all_dim",
+    ),
+    ("rope_factor_without_scaling", {"model.rope_factor": 2.0}, "model.rope_factor"),
+    (
+        "yarn_setting_under_linear",
+        {"model.rope_scaling": "linear", "model.rope_factor": 2.0, "model.rope_mscale": 1.0},
+        "model.rope_mscale",
+    ),
+    ("unknown_group_score", {"moe.group_score": "mean"}, "moe.group_score"),
+    ("group_score_without_groups", {"moe.group_score": "max"}, "moe.group_score"),
     ("tile_size_without_tiles", {"moe.impl": "ragged_dot", "moe.tile_size": 32}, "moe.tile_size"),
     (
         "wandb_without_project",

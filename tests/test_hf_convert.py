@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-import subprocess
 from functools import cache
 from pathlib import Path
 
@@ -30,52 +29,20 @@ from moe_jax import saved_run
 from moe_jax.convert import commands
 from moe_jax.convert.hf_import import param_paths
 from moe_jax.parallel import mesh as mesh_lib
-from tests.commands import ROOT, run_command
+from tests import hf_side
+from tests.commands import run_command
 
-HF_PYTHON = ROOT / ".venv-hf" / "bin" / "python"
-TRANSFORMERS_SIDE = ROOT / "moe_jax" / "convert" / "transformers_side.py"
-MOE = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
-DENSE = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+MOE, DENSE = hf_side.MOE, hf_side.DENSE
 DATA_PARALLEL = config_lib.ParallelConfig()  # all 8 test devices over data
 SP_EP = config_lib.ParallelConfig(attention="sp", experts="ep_a2a", data=2, intra=4)
 
-pytestmark = pytest.mark.skipif(
-    not HF_PYTHON.exists(), reason="needs .venv-hf (make test builds it: requirements-hf.txt)"
-)
-
-
-# The transformers side's `build ARCH OUT` or `logits DIR NPZ` for several pairs in one
-# Python: the script's functions called in turn, torch and transformers imported once.
-_EACH_PAIR = """
-import runpy, sys
-from pathlib import Path
-side = runpy.run_path(sys.argv[1])
-command, args = sys.argv[2], sys.argv[3:]
-for first, second in zip(args[::2], args[1::2], strict=True):
-    if command == "build":
-        side["build"](first, Path(second))
-    else:
-        side["logits"](Path(first), Path(second))
-"""
-
-
-def _hf(command: str, *pairs: str | Path) -> None:
-    run = subprocess.run(
-        [str(HF_PYTHON), "-c", _EACH_PAIR, str(TRANSFORMERS_SIDE), command, *map(str, pairs)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
+pytestmark = hf_side.NEEDS_HF
+_hf = hf_side.run
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    """Every family's tiny random model, built by one run of the transformers side (one
-    import of torch and transformers for all of them)."""
-    root = tmp_path_factory.mktemp("hf")
-    _hf("build", *(arg for arch in MOE + DENSE for arg in (arch, root / arch)))
-    return lambda architecture: root / architecture
+def built(hf_built):
+    return hf_built
 
 
 def _import(hf: Path, workdir: Path, parallel=DATA_PARALLEL) -> config_lib.Config:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from moe_jax.config import Config, ModelConfig, MoEConfig
+from moe_jax.convert.hf_rope import rope_config_keys, rope_settings
 
 
 class Unsupported(ValueError):
@@ -90,16 +91,6 @@ def family_of(hf: dict[str, Any], where: str) -> Family:
     return FAMILIES[name]
 
 
-def _rope_theta(hf: dict[str, Any], where: str) -> float:
-    """rope θ from `rope_parameters` (transformers 5) or the older `rope_theta`; scaled
-    ropes (YaRN, linear, dynamic) are refused, not silently run unscaled."""
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind != "default":
-        raise Unsupported(f"{where}: rope_type={kind!r} is not supported (only 'default')")
-    return float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
-
-
 def _moe_pattern(layers: int, is_moe: list[bool], where: str) -> tuple[int, int]:
     """(first_k_dense, moe_every) giving the family's MoE layers, or one line."""
     for first in range(layers + 1):
@@ -143,7 +134,7 @@ def to_config(hf: dict[str, Any], where: str) -> tuple[Family, Config]:
         head_dim=head_dim,
         mlp_dim=hf["intermediate_size"],
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        rope_theta=_rope_theta(hf, where),
+        **rope_settings(hf, where),  # θ and the checkpoint's rotary scaling
         norm_eps=float(hf["rms_norm_eps"]),
         qkv_bias=bias,
         qk_norm="head" if family.qk_norm else "none",
@@ -242,8 +233,7 @@ def to_hf_config(family: Family, config: Config, dtype: str) -> dict[str, Any]:
         "head_dim": m.head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": m.norm_eps,
-        "rope_theta": m.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
+        **rope_config_keys(m),
         "tie_word_embeddings": m.tie_embeddings,
         "max_position_embeddings": 32768,
         "torch_dtype": dtype,

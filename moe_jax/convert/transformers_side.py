@@ -9,6 +9,10 @@ moe_jax: the two sides hand tokens, logits and expert choices over as files.
                                                  tokens (OUT/reference.npz)
     python transformers_side.py logits DIR NPZ   from_pretrained(DIR)'s logits and expert
                                                  choices on NPZ's tokens, in DIR/logits.npz
+    python transformers_side.py references OUT   transformers' rotary frequencies, cos/sin
+                                                 and DeepSeek routers on fixed cases, each
+                                                 with the config.json fields that state it
+                                                 (OUT/rope.npz, OUT/routing.npz)
 """
 
 from __future__ import annotations
@@ -46,14 +50,20 @@ FAMILIES = {
         mlp_only_layers=[0],  # a dense first layer
         norm_topk_prob=False,
     ),
-    "Qwen3MoeForCausalLM": dict(
+    "Qwen3MoeForCausalLM": dict(  # with YaRN (as Qwen3 extends its context)
         num_experts=8,
         num_experts_per_tok=2,
         moe_intermediate_size=24,
         head_dim=12,
         norm_topk_prob=True,
+        max_position_embeddings=256,
+        rope_parameters=dict(
+            rope_type="yarn", rope_theta=5000.0, factor=4.0, original_max_position_embeddings=64
+        ),
     ),
-    "LlamaForCausalLM": dict(head_dim=12),
+    "LlamaForCausalLM": dict(  # with linear rotary scaling
+        head_dim=12, rope_parameters=dict(rope_type="linear", rope_theta=5000.0, factor=2.5)
+    ),
     "Qwen2ForCausalLM": dict(tie_word_embeddings=True),
 }
 TOKENS = (8, 16)  # batch 8: any plan of the 8 test devices splits it
@@ -112,9 +122,172 @@ def logits(directory: Path, reference: Path) -> None:
     print(f"{architecture} from {directory}: logits in {directory / 'logits.npz'}")
 
 
+# Rotary cases: config.json fields of a Llama (rotate-half rope, the families' own) or
+# of a DeepSeek (for YaRN's softmax multiplier), in the v5 `rope_parameters` form or the
+# older `rope_scaling` beside `rope_theta`.
+ROPE_CASES = {
+    "linear": dict(head_dim=12, rope_parameters=dict(rope_type="linear", factor=2.5)),
+    "yarn": dict(
+        head_dim=12,
+        max_position_embeddings=256,
+        rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64),
+    ),
+    "yarn_mscales_old_form": dict(
+        head_dim=16,
+        rope_theta=20000.0,
+        max_position_embeddings=1024,
+        rope_scaling=dict(
+            type="yarn",
+            factor=8.0,
+            original_max_position_embeddings=128,
+            beta_fast=16,
+            beta_slow=2,
+            mscale=0.9,
+            mscale_all_dim=0.6,
+        ),
+    ),
+    "yarn_no_truncate_factor_from_lengths": dict(
+        head_dim=20,
+        max_position_embeddings=1024,
+        rope_parameters=dict(
+            rope_type="yarn", factor=None, original_max_position_embeddings=128, truncate=False
+        ),
+    ),
+    "yarn_attention_factor": dict(
+        head_dim=12,
+        max_position_embeddings=288,
+        rope_parameters=dict(
+            rope_type="yarn", factor=3.0, original_max_position_embeddings=96, attention_factor=1.3
+        ),
+    ),
+    "deepseek_v3": dict(  # as DeepSeek-V3 ships it (qk_rope_head_dim 64)
+        deepseek=True,
+        max_position_embeddings=163840,
+        rope_scaling=dict(
+            type="yarn",
+            factor=40,
+            original_max_position_embeddings=4096,
+            beta_fast=32,
+            beta_slow=1,
+            mscale=1.0,
+            mscale_all_dim=1.0,
+        ),
+    ),
+    "deepseek_v2_lite": dict(
+        deepseek=True,
+        max_position_embeddings=163840,
+        rope_scaling=dict(
+            type="yarn",
+            factor=40,
+            original_max_position_embeddings=4096,
+            beta_fast=32,
+            beta_slow=1,
+            mscale=0.707,
+            mscale_all_dim=0.707,
+        ),
+    ),
+}
+ROPE_POSITIONS = (0, 1, 5, 17, 63, 200, 511)
+
+# Routing cases: (architecture, config.json fields); the correction bias is negative
+# throughout, so that a dropped group masked with 0 instead of -inf would win.
+ROUTING_CASES = {
+    "v3_groups": ("DeepseekV3ForCausalLM", dict(n_routed_experts=16, num_experts_per_tok=3,
+                  n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)),
+    "v3_no_groups": ("DeepseekV3ForCausalLM", dict(n_routed_experts=10, num_experts_per_tok=4,
+                     n_group=1, topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.5)),
+    "v2_greedy": ("DeepseekV2ForCausalLM", dict(n_routed_experts=10, num_experts_per_tok=3,
+                  topk_method="greedy", routed_scaling_factor=16.0)),
+    "v2_group_limited": ("DeepseekV2ForCausalLM", dict(n_routed_experts=12,
+                         num_experts_per_tok=3, topk_method="group_limited_greedy", n_group=4,
+                         topk_group=2, routed_scaling_factor=2.0)),
+}  # fmt: skip
+ROUTER_SIZE = dict(hidden_size=20, moe_intermediate_size=6, num_attention_heads=4)
+
+
+def _rope_case(fields: dict) -> dict[str, np.ndarray]:
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    fields = dict(fields)
+    if fields.pop("deepseek", False):
+        from transformers.models.deepseek_v3 import modeling_deepseek_v3 as v3
+
+        config = transformers.DeepseekV3Config(**fields)
+        inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](config)
+        multiplier = v3.yarn_apply_mscale(config.rope_parameters, 1.0)
+        return dict(inv_freq=inv_freq.numpy(), factor=factor, multiplier=multiplier)
+    from transformers.models.llama import modeling_llama as llama
+
+    config = transformers.LlamaConfig(hidden_size=48, num_attention_heads=4, **fields)
+    kind = config.rope_parameters["rope_type"]
+    inv_freq, factor = ROPE_INIT_FUNCTIONS[kind](config)
+    positions = torch.tensor([ROPE_POSITIONS])
+    x = torch.from_numpy(np.random.default_rng(2).standard_normal((1, 3, 7, config.head_dim)))
+    x = x.float()  # [batch, heads, seq, head_dim]
+    cos, sin = llama.LlamaRotaryEmbedding(config)(x, positions)
+    turned, _ = llama.apply_rotary_pos_emb(x, x, cos, sin)
+    return dict(
+        inv_freq=inv_freq.numpy(),
+        factor=factor,
+        x=x.numpy(),
+        turned=turned.numpy(),
+        positions=positions.numpy(),
+    )
+
+
+def _routing_case(architecture: str, fields: dict, seed: int) -> dict[str, np.ndarray]:
+    from transformers.models.deepseek_v2 import modeling_deepseek_v2 as v2
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as v3
+
+    v3_arch = architecture == "DeepseekV3ForCausalLM"
+    cls = transformers.DeepseekV3Config if v3_arch else transformers.DeepseekV2Config
+    config = cls(**fields)
+    router = (v3.DeepseekV3TopkRouter if v3_arch else v2.DeepseekV2TopkRouter)(config)
+    rng = np.random.default_rng(seed)
+    experts, d = fields["n_routed_experts"], ROUTER_SIZE["hidden_size"]
+    weight = rng.standard_normal((experts, d)).astype(np.float32)
+    bias = -rng.uniform(0.3, 1.8, experts).astype(np.float32)
+    x = rng.standard_normal((64, d)).astype(np.float32)
+    with torch.no_grad():
+        router.weight.copy_(torch.from_numpy(weight))
+        if v3_arch:
+            router.e_score_correction_bias.copy_(torch.from_numpy(bias))
+        _, weights, indices = router(torch.from_numpy(x))
+    return dict(
+        x=x,
+        weight=weight,
+        bias=bias if v3_arch else np.zeros_like(bias),
+        weights=weights.numpy(),
+        indices=indices.numpy(),
+    )
+
+
+def references(out: Path) -> None:
+    """ROPE_CASES and ROUTING_CASES through transformers, each with its config.json fields
+    (as JSON) under `NAME/config`, into OUT/rope.npz and OUT/routing.npz."""
+    out.mkdir(parents=True, exist_ok=True)
+    rope = {}
+    for name, fields in ROPE_CASES.items():
+        rope[f"{name}/config"] = np.array(json.dumps(fields))
+        rope.update({f"{name}/{k}": v for k, v in _rope_case(fields).items()})
+    np.savez(out / "rope.npz", **rope)
+    routing = {}
+    for seed, (name, (architecture, fields)) in enumerate(ROUTING_CASES.items()):
+        fields = {**ROUTER_SIZE, **fields}
+        config = {"architectures": [architecture], **fields}
+        routing[f"{name}/config"] = np.array(json.dumps(config))
+        routing.update(
+            {f"{name}/{k}": v for k, v in _routing_case(architecture, fields, seed).items()}
+        )
+    np.savez(out / "routing.npz", **routing)
+    print(f"references in {out}: {len(ROPE_CASES)} rotary, {len(ROUTING_CASES)} routing cases")
+
+
 if __name__ == "__main__":
     command, *args = sys.argv[1:]
     if command == "build":
         build(args[0], Path(args[1]))
+    elif command == "references":
+        references(Path(args[0]))
     else:
         logits(Path(args[0]), Path(args[1]))

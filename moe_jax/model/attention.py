@@ -13,6 +13,7 @@ from moe_jax.kernels.attention import Attend, attention_fn
 from moe_jax.model import remat
 from moe_jax.model.axes import param, zeros_param
 from moe_jax.model.layers import RMSNorm, cast_like, rms_norm, rotary
+from moe_jax.model.rope import NO_SCALING, RopeScaling
 from moe_jax.parallel.layout import SINGLE_DEVICE, Layout
 
 
@@ -71,6 +72,7 @@ class AttentionBlock:
 
     theta: float
     eps: float = 1e-6  # of the query and key norms
+    scaling: RopeScaling = NO_SCALING  # the checkpoint's rotary scaling (model.rope_*)
 
     def project(self, x: jax.Array, w: AttentionWeights) -> tuple[jax.Array, ...]:
         """q, k, v of the tokens of `x` (per token, so any block of tokens at a time):
@@ -84,7 +86,8 @@ class AttentionBlock:
         return q, k, v
 
     def rotate(self, q: jax.Array, k: jax.Array, positions: jax.Array) -> tuple[jax.Array, ...]:
-        return rotary(q, positions, self.theta), rotary(k, positions, self.theta)
+        turn = lambda x: rotary(x, positions, self.theta, self.scaling)
+        return turn(q), turn(k)
 
     def out(self, o: jax.Array, w: AttentionWeights) -> jax.Array:
         """The output projection of the heads `w.out` holds (partial sums over heads)."""
@@ -122,6 +125,7 @@ class Attention(nnx.Module):
 
         self.query_norm, self.key_norm = norm(h, AXES.query_norm), norm(kv, AXES.key_norm)
         self.rope_theta, self.norm_eps = cfg.rope_theta, cfg.norm_eps
+        self.rope_scaling = RopeScaling.of(cfg)
         self.attention_impl, self.dtype = cfg.attention_impl, cfg.dtype
         self.layout = layout
 
@@ -137,7 +141,7 @@ class Attention(nnx.Module):
         )
 
     def block(self) -> AttentionBlock:
-        return AttentionBlock(self.rope_theta, self.norm_eps)
+        return AttentionBlock(self.rope_theta, self.norm_eps, self.rope_scaling)
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         w, block = self.weights(), self.block()

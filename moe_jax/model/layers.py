@@ -8,8 +8,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moe_jax.model import remat
+from moe_jax.model import remat, rope
 from moe_jax.model.axes import ones_param, param
+from moe_jax.model.rope import RopeScaling
 from moe_jax.parallel.layout import SINGLE_DEVICE, Layout
 
 
@@ -66,12 +67,21 @@ class Embed(nnx.Module):
         return self.layout.embed(self.table[...], tokens).astype(dtype)
 
 
-def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotary position embedding on [batch, seq, heads, head_dim] (half-split pairs)."""
+def rotary(
+    x: jax.Array, positions: jax.Array, theta: float, scaling: RopeScaling | None = None
+) -> jax.Array:
+    """Rotary position embedding on [batch, seq, heads, head_dim] (half-split pairs),
+    with the checkpoint's linear or YaRN `scaling` (`moe_jax.model.rope`) when given."""
     half = x.shape[-1] // 2
-    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    if scaling is None or scaling.kind == "none":
+        freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    else:
+        freq = jnp.asarray(rope.inverse_frequencies(x.shape[-1], theta, scaling))
     angle = positions[..., None].astype(jnp.float32) * freq  # [batch, seq, half]
     sin, cos = jnp.sin(angle)[:, :, None, :], jnp.cos(angle)[:, :, None, :]
+    factor = 1.0 if scaling is None else rope.cos_sin_factor(scaling)
+    if factor != 1.0:
+        sin, cos = sin * factor, cos * factor
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)

@@ -28,12 +28,17 @@ class Routing:
 
 
 def _select(scores: jax.Array, cfg: MoEConfig) -> jax.Array:
-    """Top-k expert indices, limited to the best `topk_groups` groups when grouped."""
+    """Top-k expert indices, limited to the best `topk_groups` groups when grouped; the
+    other groups' experts are masked with -inf (biased scores can be negative, so a
+    mask of 0 would let them win)."""
     if cfg.n_groups > 1:
         num_tokens = scores.shape[0]
         grouped = scores.reshape(num_tokens, cfg.n_groups, -1)
-        best = min(2, grouped.shape[-1])
-        group_score = jax.lax.top_k(grouped, best)[0].sum(-1)  # DeepSeek-V3: top-2 sum
+        if cfg.group_score == "max":  # DeepSeek-V2's group_limited_greedy
+            group_score = grouped.max(-1)
+        else:  # DeepSeek-V3: the sum of the best two
+            best = min(2, grouped.shape[-1])
+            group_score = jax.lax.top_k(grouped, best)[0].sum(-1)
         _, groups = jax.lax.top_k(group_score, cfg.topk_groups)
         allowed = jnp.zeros((num_tokens, cfg.n_groups), bool)
         allowed = allowed.at[jnp.arange(num_tokens)[:, None], groups].set(True)
