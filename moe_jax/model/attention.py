@@ -32,6 +32,15 @@ class AttentionWeights:
     query_norm: jax.Array | None = None
     key_norm: jax.Array | None = None
 
+    @property
+    def num_heads(self) -> int:
+        """The query heads these weights hold (a layout may hand a block a shard)."""
+        return self.query.shape[1]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.key.shape[1]
+
 
 AXES = AttentionWeights(
     query=("embed", "heads", "head_dim"),
