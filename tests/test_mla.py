@@ -17,7 +17,8 @@ from flax import nnx
 from moe_jax.config import load, to_config_dict
 from moe_jax.kernels.attention import xla_attention
 from moe_jax.kernels.blockwise_attention import blockwise_attention
-from moe_jax.model import decode
+from moe_jax.model import decode, remat
+from moe_jax.model.mla import MLAttention
 from moe_jax.model.transformer import Transformer
 from moe_jax.plan.resolve import check_plan
 from tests import layouts
@@ -97,6 +98,15 @@ def test_layout_matches_single_device(plan: str):
     """Loss, load, every gradient of the first step and the parameters after three AdamW
     steps within 1e-5 of one device."""
     _first_step_matches(planned(PLANS[plan]), reference(MLA))
+
+
+def test_sp_ring_projects_down_once_per_chunk_not_per_step():
+    """sp's ring up-projects one destination's heads per step from latents made once
+    (`prepare`): the compiled step holds one kv_down weight-gradient GEMM
+    (f32[32, 10 + 4]) per chunk (2), not one per ring step and chunk (8)."""
+    hlo = planned(PLANS["sp_ring_chunks"]).hlo
+    grads = [line for line in hlo.splitlines() if "= f32[32,14]{1,0} dot(" in line]
+    assert len(grads) == 2, grads
 
 
 def _decoded_logits(config, tokens: np.ndarray, prompt: int) -> tuple:
@@ -181,3 +191,32 @@ def test_sp_with_heads_the_group_does_not_divide_is_refused():
         ValueError, match=r"^model.num_heads=6 must be divisible by parallel.intra=4"
     ):
         check_plan(config, 8)
+
+
+def test_selective_remat_keeps_the_latents_and_what_the_core_reads(capsys):
+    """One MLA block under `model.remat='selective'` saves, beside its inputs, only the
+    two down-projections' outputs (query latent [.., 12], joint kv [.., 10 + 4]), the
+    q, k, v the core reads and the core's output and logsumexp: the normed latents, the
+    up-projections' halves and the rotary are rebuilt in the backward."""
+    attn = MLAttention(MLA.model, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(attn)
+    x = jnp.ones((2, 16, 32))
+    positions = jnp.broadcast_to(jnp.arange(16), (2, 16))
+    f = lambda state, x: nnx.merge(graphdef, state)(x, positions).sum()
+    jax.ad_checkpoint.print_saved_residuals(
+        jax.checkpoint(f, policy=remat.policy("selective")), state, x
+    )
+    saved = [
+        line for line in capsys.readouterr().out.splitlines() if "from the argument" not in line
+    ]
+    named = sorted(line.split(" from ")[0] for line in saved if " named " in line)
+    assert named == [
+        "f32[2,16,12] named 'mla_latent'",
+        "f32[2,16,14] named 'mla_latent'",
+        "f32[2,16,8,10] named 'qkv'",
+        "f32[2,16,8,10] named 'qkv'",
+        "f32[2,16,8,1] named 'attention_core'",
+        "f32[2,16,8,5] named 'attention_core'",
+        "f32[2,16,8,5] named 'qkv'",
+    ]
+    assert [line for line in saved if " named " not in line] == ["i32[2,16] from a constant"]

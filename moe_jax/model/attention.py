@@ -92,6 +92,15 @@ class AttentionBlock:
             q, k = rms_norm(q, w.query_norm, self.eps), rms_norm(k, w.key_norm, self.eps)
         return q, k, v
 
+    def prepare(self, x: jax.Array, w: AttentionWeights) -> jax.Array:
+        """The per-token work all heads share before their projections: none here (MLA's
+        down-projections there; a layout projecting a head shard at a time runs it once)."""
+        return x
+
+    def project_heads(self, x: jax.Array, w: AttentionWeights) -> tuple[jax.Array, ...]:
+        """q, k, v of the heads `w` holds from `prepare`'s output."""
+        return self.project(x, w)
+
     def rotate(self, q: jax.Array, k: jax.Array, positions: jax.Array) -> tuple[jax.Array, ...]:
         return rotary(q, positions, self.theta), rotary(k, positions, self.theta)
 

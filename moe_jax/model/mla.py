@@ -95,12 +95,17 @@ class MLABlock:
     softmax_scale: float
     eps: float = 1e-6  # of the latent norms
 
+    def query_input(self, x: jax.Array, w: MLAWeights) -> jax.Array:
+        """What the per-head query projection reads: the normed query latent, or `x`."""
+        if w.query is not None:
+            return x
+        latent = remat.tag(x @ w.query_down, remat.MLA_LATENT)
+        return rms_norm(latent, w.query_norm, self.eps)
+
     def query(self, x: jax.Array, w: MLAWeights) -> jax.Array:
         """q [b, s, h, nope + rope] of the tokens of `x`, before rotary."""
-        if w.query is not None:
-            return jnp.einsum("bsd,dhk->bshk", x, w.query)
-        latent = remat.tag(x @ w.query_down, remat.MLA_LATENT)
-        return jnp.einsum("bsr,rhk->bshk", rms_norm(latent, w.query_norm, self.eps), w.query_up)
+        up = w.query if w.query is not None else w.query_up
+        return jnp.einsum("bsr,rhk->bshk", self.query_input(x, w), up)
 
     def latents(self, x: jax.Array, w: MLAWeights) -> tuple[jax.Array, jax.Array]:
         """(normed c_kv [b, s, kv_lora], k_pe [b, s, rope] before rotary): what a token
@@ -116,10 +121,22 @@ class MLABlock:
         shared = jnp.broadcast_to(k_pe[:, :, None, :], (*k_nope.shape[:3], self.rope))
         return jnp.concatenate((k_nope, shared), axis=-1), v
 
+    def prepare(self, x: jax.Array, w: MLAWeights) -> tuple[jax.Array, ...]:
+        """The per-token work every head shares (down-projections and norms), so that a
+        layout projecting one head shard at a time (sp's ring) runs it once."""
+        w = cast_like(w, x)
+        return (self.query_input(x, w), *self.latents(x, w))
+
+    def project_heads(self, shared: tuple[jax.Array, ...], w: MLAWeights) -> tuple[jax.Array, ...]:
+        """q, k, v of the heads `w` holds from `prepare`'s output (the up-projections)."""
+        query_input, c_kv, k_pe = shared
+        w = cast_like(w, c_kv)
+        up = w.query if w.query is not None else w.query_up
+        return (jnp.einsum("bsr,rhk->bshk", query_input, up), *self.expand(c_kv, k_pe, w))
+
     def project(self, x: jax.Array, w: MLAWeights) -> tuple[jax.Array, ...]:
         """q, k, v of the tokens of `x` (per token, so any block of tokens at a time)."""
-        w = cast_like(w, x)
-        return (self.query(x, w), *self.expand(*self.latents(x, w), w))
+        return self.project_heads(self.prepare(x, w), w)
 
     def rope_part(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         """`x` [b, s, heads, ...] with rotary on its last `rope` channels only."""

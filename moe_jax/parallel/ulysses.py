@@ -55,9 +55,10 @@ def _pairwise_attention(block, x, positions, weights, axes, attend, n: int, wrap
     while the previous device's block travels, and each arriving output block's GEMM
     while the next one travels."""
     weights = cast_like(weights, x)
+    shared = block.prepare(x, weights)  # once, not per step (MLA's down-projections)
 
     def qkv_for(dest):  # one buffer per step: q, k and v side by side over heads
-        q, k, v = block.project(x, _heads_for(weights, axes, dest, n))
+        q, k, v = block.project_heads(shared, _heads_for(weights, axes, dest, n))
         q, k = block.rotate(q, k, positions)
         if v.shape[-1] != q.shape[-1]:  # MLA's values are another width: their own buffer
             return jnp.concatenate((q, k), axis=2), v
