@@ -60,6 +60,59 @@ def test_cores_take_values_of_another_width_and_the_given_scale():
         assert_trees_close(each, want, 1e-5)
 
 
+def _rms(x: np.ndarray, scale: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * scale
+
+
+def _rope(x: np.ndarray, theta: float) -> np.ndarray:
+    """Half-split rotary on x [b, s, ..., r] at positions 0..s-1."""
+    half = x.shape[-1] // 2
+    angle = np.arange(x.shape[1])[:, None] * theta ** (-np.arange(half) / half)  # [s, half]
+    angle = angle.reshape(1, x.shape[1], *([1] * (x.ndim - 3)), half)
+    x1, x2 = x[..., :half], x[..., half:]
+    return np.concatenate(
+        [x1 * np.cos(angle) - x2 * np.sin(angle), x2 * np.cos(angle) + x1 * np.sin(angle)], -1
+    )
+
+
+def test_block_follows_the_written_out_formulas():
+    """The block (xla core) equals MLA written out in numpy (float64): c_q = norm(x W_qa),
+    q = c_q W_qb; [c_kv, k_pe] = x W_kva, c_kv normed, [k_nope, v] = c_kv W_kvb per head;
+    rotary on q_pe and on the one k_pe every head shares; scale (6 + 4)^-0.5; out."""
+    m = dataclasses.replace(MLA.model, attention_impl="xla")
+    attn = MLAttention(m, rngs=nnx.Rngs(3))
+    w = jax.tree.map(np.float64, attn.weights())
+    scales = jax.random.split(jax.random.key(4), 2)
+    w = dataclasses.replace(  # norms away from one, so that they count
+        w,
+        kv_norm=np.asarray(1 + jax.random.uniform(scales[0], (10,)), np.float64),
+        query_norm=np.asarray(1 + jax.random.uniform(scales[1], (12,)), np.float64),
+    )
+    attn.kv_norm.scale[...] = jnp.asarray(w.kv_norm, jnp.float32)
+    attn.query_norm.scale[...] = jnp.asarray(w.query_norm, jnp.float32)
+    x = np.asarray(jax.random.normal(jax.random.key(5), (2, 16, 32)), np.float64)
+    positions = jnp.broadcast_to(jnp.arange(16), (2, 16))
+    graphdef, state = nnx.split(attn)
+    run = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x, positions))
+    x32 = jnp.asarray(x, jnp.float32)
+    got = run.lower(state, x32).compile(layouts.FAST_COMPILE)(state, x32)
+
+    eps, theta = m.norm_eps, m.rope_theta
+    q = np.einsum("bsr,rhk->bshk", _rms(x @ w.query_down, w.query_norm, eps), w.query_up)
+    joint = x @ w.kv_down
+    c_kv, k_pe = _rms(joint[..., :10], w.kv_norm, eps), _rope(joint[..., 10:], theta)
+    kv = np.einsum("bsr,rhk->bshk", c_kv, w.kv_up)
+    k = np.concatenate([kv[..., :6], np.broadcast_to(k_pe[:, :, None], (2, 16, 8, 4))], -1)
+    q = np.concatenate([q[..., :6], _rope(q[..., 6:], theta)], -1)
+    scores = np.einsum("bqhd,bkhd->bhqk", q, k) * 10**-0.5
+    scores = np.where(np.tril(np.ones((16, 16), bool)), scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    o = np.einsum("bhqk,bkhv->bqhv", probs, kv[..., 6:])
+    want = np.einsum("bqhv,hvd->bqd", o, w.out)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-5)
+
+
 def _first_step_matches(got: layouts.Run, want: layouts.Run) -> None:
     for key in ("loss", "lm_loss", "aux_loss", "z_loss"):
         np.testing.assert_allclose(got.metrics[key], want.metrics[key], rtol=1e-5, err_msg=key)
