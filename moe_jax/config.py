@@ -15,7 +15,7 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING, Any
 
-from moe_jax import config_rules
+from moe_jax import config_attention, config_rules
 from moe_jax.kernels import requirements
 
 if TYPE_CHECKING:
@@ -114,6 +114,14 @@ class ModelConfig:
     # bfloat16), blockwise (plain JAX, no [s, s] scores) or auto (cudnn on GPU in
     # bfloat16, else blockwise); see moe_jax.kernels.attention.
     attention_impl: str = "auto"
+    # gqa (the projections above) or mla (multi-head latent attention, DeepSeek-V2/V3),
+    # with its widths named as in the Hugging Face config; see moe_jax.model.mla.
+    attention: str = "gqa"
+    q_lora_rank: int = 0  # mla: query latent width; 0 = one query projection (V2-Lite)
+    kv_lora_rank: int = 0  # mla: key/value latent width (what decoding caches)
+    qk_nope_head_dim: int = 0  # mla: per-head query/key width without rotary
+    qk_rope_head_dim: int = 0  # mla: rotary width, its key shared by all heads
+    v_head_dim: int = 0  # mla: per-head value width
 
     @property
     def num_moe_layers(self) -> int:
@@ -332,6 +340,7 @@ def validate(config: Config) -> None:
     _check(m.remat in REMAT, "model.remat", m.remat, f"valid: {REMAT}")
     _check(m.qk_norm in QK_NORMS, "model.qk_norm", m.qk_norm, f"valid: {QK_NORMS}")
     _validate_attention_impl(m)
+    config_attention.validate(m)
     _check(
         0 <= m.first_k_dense <= m.num_layers,
         "model.first_k_dense",

@@ -60,6 +60,15 @@ MEANINGS: dict[str, str] = {
         "bfloat16), `blockwise` (flash-style blocks in plain JAX, any backend) or `auto` (cudnn on "
         "GPU in bfloat16, else blockwise)"
     ),
+    "model.attention": (
+        "`gqa` (grouped-query attention) or `mla` (multi-head latent attention, DeepSeek-V2/V3; "
+        "`num_kv_heads` = `num_heads`, `head_dim` unread)"
+    ),
+    "model.q_lora_rank": "mla: width of the query latent; 0 = one query projection (V2-Lite)",
+    "model.kv_lora_rank": "mla: width of the key/value latent (what `sample` caches per token)",
+    "model.qk_nope_head_dim": "mla: per-head query/key width without rotary",
+    "model.qk_rope_head_dim": "mla: rotary width (even); its key is shared by every head",
+    "model.v_head_dim": "mla: per-head value width (may differ from the query/key width)",
     "moe.num_experts": "routed experts per MoE layer",
     "moe.top_k": "experts each token is sent to",
     "moe.expert_mlp_dim": "hidden width of each routed expert",

@@ -39,7 +39,8 @@ from moe_jax.train_step import abstract_state, with_shardings
 # What upcycling keeps from the source: these must match.
 SHARED_MODEL = (
     "vocab_size", "num_layers", "embed_dim", "num_heads", "num_kv_heads", "head_dim",
-    "tie_embeddings", "qkv_bias", "qk_norm",
+    "tie_embeddings", "qkv_bias", "qk_norm", "attention", "q_lora_rank", "kv_lora_rank",
+    "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
 )  # fmt: skip
 
 

@@ -12,6 +12,7 @@ bad input, 130 on SIGINT or SIGTERM.
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -76,7 +77,10 @@ def check_memory(config, num: int, prompt: int, new: int) -> None:
 
     m, length = config.model, prompt + new
     itemsize = np.dtype(m.dtype).itemsize
-    cache = 2 * m.num_layers * num * length * m.num_kv_heads * m.head_dim * itemsize
+    from moe_jax.model.decode import cached_widths
+
+    per_token = sum(math.prod(width) for width in cached_widths(m))  # MLA: the latent
+    cache = m.num_layers * num * length * per_token * itemsize
     work = num * prompt * (m.vocab_size + m.num_heads * length) * 4
     params = memory_check.parameter_counts(config)[0] * 4
     limit, source = memory_check.device_limit(config)

@@ -48,6 +48,21 @@ DENSE = dataclasses.replace(
     model=dataclasses.replace(BASE.model, num_layers=3, first_k_dense=1, mlp_dim=32),
     moe=dataclasses.replace(BASE.moe, num_shared_experts=1, shared_mlp_dim=16),
 )
+# BASE with multi-head latent attention (model.attention='mla'): a query latent, values
+# narrower than queries and keys (5 vs 6 + 4), every head its own key and value.
+MLA = dataclasses.replace(
+    BASE,
+    model=dataclasses.replace(
+        BASE.model,
+        attention="mla",
+        num_kv_heads=8,
+        q_lora_rank=12,
+        kv_lora_rank=10,
+        qk_nope_head_dim=6,
+        qk_rope_head_dim=4,
+        v_head_dim=5,
+    ),
+)
 # Halves XLA:CPU compile time; these tests check numbers and collectives, not speed.
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 STEPS = 3

@@ -12,14 +12,17 @@ logsumexp. What is stored grows linearly with s; one block's scores
 [b, c, heads, c] are the largest temporary.
 
 Shapes are [b, s, heads, head_dim] for q and [b, s, kv_heads, head_dim] for k
-and v; query heads are grouped by the kv head they share, so k and v are never
-repeated. Softmax statistics and accumulators are float32 whatever the input
+and v (v may be narrower or wider than q and k, as in MLA); query heads are grouped
+by the kv head they share, so k and v are never repeated. Scores are scaled by
+`scale` (default 1/sqrt(head_dim), else the model's, e.g. MLA's with YaRN).
+Softmax statistics and accumulators are float32 whatever the input
 dtype; outputs and gradients come back in the inputs' dtypes.
 """
 
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -59,10 +62,15 @@ def _dot(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.einsum(spec, a.astype(b.dtype), b, preferred_element_type=F32)
 
 
-def _scores(qi: jax.Array, kj: jax.Array, i: jax.Array, j: jax.Array, c: int) -> jax.Array:
+def _scaled(x: jax.Array, d: int, scale: float | None) -> jax.Array:
+    """x times the softmax scale: `scale`, or 1/sqrt(d) (as a division) by default."""
+    return x / math.sqrt(d) if scale is None else x * scale
+
+
+def _scores(qi, kj, i, j, c: int, scale: float | None) -> jax.Array:
     """Scaled, causally masked float32 scores [b, c, kv, group, c] of query block i
     ([b, c, kv, group, d]) against key block j ([b, c, kv, d])."""
-    scores = _dot("bqkgd,bckd->bqkgc", qi, kj) / math.sqrt(qi.shape[-1])
+    scores = _scaled(_dot("bqkgd,bckd->bqkgc", qi, kj), qi.shape[-1], scale)
     rows, cols = i * c + jnp.arange(c), j * c + jnp.arange(c)
     visible = rows[:, None] >= cols[None, :]
     return jnp.where(visible[None, :, None, None, :], scores, -jnp.inf)
@@ -74,10 +82,11 @@ def _grouped(q: jax.Array, kv_heads: int) -> jax.Array:
     return q.reshape(b, s, kv_heads, h // kv_heads, d)
 
 
-def _forward(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(out [b, s, heads, d], logsumexp [b, s, kv, group] float32)."""
+def _forward(q, k, v, scale: float | None = None) -> tuple[jax.Array, jax.Array]:
+    """(out [b, s, heads, dv], logsumexp [b, s, kv, group] float32)."""
     qg = _grouped(q, k.shape[2])
-    b, s, kv, g, d = qg.shape
+    b, s, kv, g, _ = qg.shape
+    d = v.shape[-1]  # the output's width: the values'
     c = block_size(s)
 
     def query_block(i, carry):
@@ -88,7 +97,7 @@ def _forward(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.A
             """Online softmax: the row maximum so far, the sum of exp(score - maximum)
             and the output's numerator, rescaled whenever the maximum grows."""
             top, total, acc = state
-            scores = _scores(qi, _block(k, j, c), i, j, c)
+            scores = _scores(qi, _block(k, j, c), i, j, c, scale)
             new_top = jnp.maximum(top, scores.max(-1))
             p = jnp.exp(scores - new_top[..., None])
             rescale = jnp.exp(top - new_top)
@@ -102,17 +111,23 @@ def _forward(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.A
         top, total, acc = jax.lax.fori_loop(0, i + 1, key_block, init)
         return _put(out, acc / total[..., None], i, c), _put(lse, top + jnp.log(total), i, c)
 
-    init = (jnp.zeros_like(qg), _zeros((b, s, kv, g), q, k, v))
+    out = (
+        jnp.zeros_like(qg)
+        if d == qg.shape[-1]
+        else varying_zeros((*qg.shape[:-1], d), q.dtype, q, k, v)
+    )
+    init = (out, _zeros((b, s, kv, g), q, k, v))
     out, lse = jax.lax.fori_loop(0, s // c, query_block, init)
-    return out.reshape(q.shape), lse
+    return out.reshape(*q.shape[:-1], d), lse
 
 
-def _backward(q, k, v, out, lse, grad):
+def _backward(q, k, v, out, lse, grad, scale: float | None = None):
     """FlashAttention-2's backward: dq accumulated over key blocks, each key block's
     dk and dv over the query blocks that see it (summed over the group's heads)."""
     kv = k.shape[2]
     qg, og, dog = (_grouped(x, kv) for x in (q, out, grad))
     b, s, _, _, d = qg.shape
+    v_width = v.shape[-1]
     c = block_size(s)
     # rowsum(dO * O): the softmax's backward term, per row.
     delta = jnp.einsum("bskgd,bskgd->bskg", dog.astype(F32), og.astype(F32))
@@ -124,16 +139,19 @@ def _backward(q, k, v, out, lse, grad):
         def query_block(i, state):
             dq, dkj, dvj = state
             qi, doi = _block(qg, i, c), _block(dog, i, c)
-            p = jnp.exp(_scores(qi, kj, i, j, c) - _block(lse, i, c)[..., None])
+            p = jnp.exp(_scores(qi, kj, i, j, c, scale) - _block(lse, i, c)[..., None])
             dvj += _dot("bqkgc,bqkgd->bckd", p, doi)
             dp = _dot("bqkgd,bckd->bqkgc", doi, vj)
-            ds = p * (dp - _block(delta, i, c)[..., None]) / math.sqrt(d)
+            ds = _scaled(p * (dp - _block(delta, i, c)[..., None]), d, scale)
             dkj += _dot("bqkgc,bqkgd->bckd", ds, qi)
             dq = _put(dq, _block(dq, i, c) + _dot("bqkgc,bckd->bqkgd", ds, kj), i, c)
             return dq, dkj, dvj
 
-        block = (b, c, kv, d)
-        init = (dq, _zeros(block, q, k, v, grad), _zeros(block, q, k, v, grad))
+        init = (
+            dq,
+            _zeros((b, c, kv, d), q, k, v, grad),
+            _zeros((b, c, kv, v_width), q, k, v, grad),
+        )
         # Query blocks j.. only: those before the diagonal do not see key block j.
         dq, dkj, dvj = jax.lax.fori_loop(j, s // c, query_block, init)
         return dq, _put(dk, dkj, j, c), _put(dv, dvj, j, c)
@@ -143,19 +161,22 @@ def _backward(q, k, v, out, lse, grad):
     return dq.reshape(q.shape).astype(q.dtype), dk, dv
 
 
-@jax.custom_vjp
-def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Causal GQA attention, like `jax.nn.dot_product_attention(q, k, v, is_causal=True)`."""
-    return _forward(q, k, v)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def blockwise_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, scale: float | None = None
+) -> jax.Array:
+    """Causal GQA attention, like `jax.nn.dot_product_attention(q, k, v, is_causal=True,
+    scale=scale)`, with v's width free."""
+    return _forward(q, k, v, scale)[0]
 
 
-def _fwd(q, k, v):
-    out, lse = (checkpoint_name(t, RESIDUALS) for t in _forward(q, k, v))
+def _fwd(q, k, v, scale):
+    out, lse = (checkpoint_name(t, RESIDUALS) for t in _forward(q, k, v, scale))
     return out, (q, k, v, out, lse)
 
 
-def _bwd(residuals, grad):
-    return _backward(*residuals, grad)
+def _bwd(scale, residuals, grad):
+    return _backward(*residuals, grad, scale)
 
 
 blockwise_attention.defvjp(_fwd, _bwd)

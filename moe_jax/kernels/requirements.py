@@ -38,6 +38,25 @@ def attention_problems(impl: str, dtype: str, platform: str | None = None) -> li
     return []
 
 
+# cuDNN's flash attention: head widths a multiple of 8, at most 256 (Hopper or later; 128
+# before). jax.nn.dot_product_attention also wants one width for q, k and v, so MLA pads
+# all three to the wider of its qk and v widths (`moe_jax.kernels.attention`).
+CUDNN_MAX_HEAD_WIDTH = 256
+CUDNN_HEAD_WIDTH_MULTIPLE = 8
+
+
+def cudnn_width_problems(width: int, setting: str) -> list[str]:
+    """Why cuDNN cannot attend over heads `width` wide (`setting` names where it comes
+    from), as one-line messages."""
+    if width <= CUDNN_MAX_HEAD_WIDTH and width % CUDNN_HEAD_WIDTH_MULTIPLE == 0:
+        return []
+    return [
+        f"model.attention_impl='cudnn' is invalid for {setting}: cuDNN's flash attention takes "
+        f"head widths that are a multiple of {CUDNN_HEAD_WIDTH_MULTIPLE} and at most "
+        f"{CUDNN_MAX_HEAD_WIDTH} (128 before Hopper); use 'blockwise' or 'xla'"
+    ]
+
+
 def tokamax_installed() -> bool:
     """Whether the optional tokamax package is installed (found, not imported: it
     imports jax). `moe_jax.kernels.tokamax_gmm.missing` imports it, with the plan."""

@@ -33,6 +33,15 @@ class AttentionWeights:
     query_norm: jax.Array | None = None
     key_norm: jax.Array | None = None
 
+    @property
+    def num_heads(self) -> int:
+        """The query heads these weights hold (a layout may hand a block a shard)."""
+        return self.query.shape[1]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.key.shape[1]
+
 
 AXES = AttentionWeights(
     query=("embed", "heads", "head_dim"),
@@ -84,6 +93,15 @@ class AttentionBlock:
         if w.query_norm is not None:
             q, k = rms_norm(q, w.query_norm, self.eps), rms_norm(k, w.key_norm, self.eps)
         return q, k, v
+
+    def prepare(self, x: jax.Array, w: AttentionWeights) -> jax.Array:
+        """The per-token work all heads share before their projections: none here (MLA's
+        down-projections there; a layout projecting a head shard at a time runs it once)."""
+        return x
+
+    def project_heads(self, x: jax.Array, w: AttentionWeights) -> tuple[jax.Array, ...]:
+        """q, k, v of the heads `w` holds from `prepare`'s output."""
+        return self.project(x, w)
 
     def rotate(self, q: jax.Array, k: jax.Array, positions: jax.Array) -> tuple[jax.Array, ...]:
         turn = lambda x: rotary(x, positions, self.theta, self.scaling)

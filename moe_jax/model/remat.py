@@ -8,9 +8,10 @@
   GEMMs and exchanges, which are expensive to redo: the exchanged q/k/v, the
   attention core's output and softmax statistics, the attention output, the
   residual stream entering the FFN (its norm's input), the rows the experts
-  receive and the fc1/fc3 (gate/up) outputs and fc2's. Norms, rotary, SiLU and the
-  product feeding fc2, routing and the cast copies of weights are rebuilt in the
-  backward from what is kept (memory-bound work only).
+  receive and the fc1/fc3 (gate/up) outputs and fc2's; under MLA also the outputs of
+  the query and key/value down-projections (the latents, before their norms). Norms,
+  rotary, SiLU and the product feeding fc2, routing and the cast copies of weights
+  are rebuilt in the backward from what is kept (memory-bound work only).
 * `offload` (GPU): as `selective`, with the kept tensors moved to pinned host
   memory between the forward and the backward.
 """
@@ -33,7 +34,11 @@ FFN_INPUT = "ffn_input"  # the residual stream entering the FFN norm
 EXPERT_ROWS = "expert_rows"  # the rows the experts receive (after any exchange)
 FC1_FC3 = "fc1_fc3"  # SwiGLU's gate and up projections (experts and dense MLPs)
 FC2 = "fc2"  # the down projection's output
-KEPT = (LAYER_INPUT, QKV, CORE, ATTENTION_OUT, FFN_INPUT, EXPERT_ROWS, FC1_FC3, FC2)
+# MLA's down-projections' outputs, before their norms: the query latent and the joint
+# [key/value latent, shared rotary key] (`moe_jax.model.mla`); its up-projections'
+# outputs are the q/k/v of QKV.
+MLA_LATENT = "mla_latent"
+KEPT = (LAYER_INPUT, QKV, CORE, ATTENTION_OUT, FFN_INPUT, EXPERT_ROWS, FC1_FC3, FC2, MLA_LATENT)
 
 
 def tag(x, name: str):

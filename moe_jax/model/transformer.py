@@ -19,6 +19,7 @@ from moe_jax.model.attention import Attention
 from moe_jax.model.axes import param
 from moe_jax.model.layers import MLP, Embed, RMSNorm
 from moe_jax.model.loss import chunked_cross_entropy
+from moe_jax.model.mla import MLAttention
 from moe_jax.moe.block import MoE, MoEStats
 from moe_jax.parallel.layout import SINGLE_DEVICE, Layout
 
@@ -28,7 +29,8 @@ class Block(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, moe: MoEConfig | None, *, rngs: nnx.Rngs, layout: Layout):
         self.attn_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
-        self.attn = Attention(cfg, rngs=rngs, layout=layout)
+        attention = MLAttention if cfg.attention == "mla" else Attention
+        self.attn = attention(cfg, rngs=rngs, layout=layout)
         self.ffn_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
         if moe is None:
             self.ffn = MLP(cfg.embed_dim, cfg.mlp_dim, rngs=rngs, layout=layout)

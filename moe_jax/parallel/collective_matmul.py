@@ -74,14 +74,15 @@ def ring_reduce_scatter(part: Callable[[int], jax.Array], n: int) -> jax.Array:
 def pairwise_all_to_all(
     send: Callable[[jax.Array], object], n: int, wrap: Callable = lambda move: move
 ) -> list[tuple]:
-    """[(source, block)] for k in 0..n-1: the block `send(dest)` made for this device on
-    device source = (me - k) mod n (where dest = (me + k) mod n). `wrap` turns each
-    step's move into the one to run (an FP8 form compresses it)."""
+    """[(source, block)] for k in 0..n-1: the block (or tuple of blocks) `send(dest)`
+    made for this device on device source = (me - k) mod n (where dest = (me + k) mod
+    n). `wrap` turns each step's move into the one to run (an FP8 form compresses it)."""
     got = []
     for k in range(n):
         with jax.named_scope(ring_scope(k)):
             block = send((me() + k) % n)
-            moved = wrap(partial(shift, n=n, by=k))(block) if k else block
+            move = wrap(partial(shift, n=n, by=k))
+            moved = jax.tree.map(move, block) if k else block  # each buffer of the step
             got.append(((me() - k) % n, moved))
     return got
 

@@ -47,7 +47,8 @@ def _my_kv_head(weights, axes, n: int):
 def tp_attention(layout, block, x, positions, weights, axes, attend):
     """x [b, s, d] with the sequence split over the intra group -> the same."""
     n = layout.size(INTRA)
-    whole_kv = layout.param_spec(axes.key)[1] is None  # fewer kv heads than devices
+    key = getattr(axes, "key", None)  # MLA has no kv weights of their own: none to slice
+    whole_kv = key is not None and layout.param_spec(key)[1] is None  # fewer kv heads than n
 
     def body(x, positions, weights):
         if whole_kv:

@@ -43,7 +43,7 @@ def _heads_to_seq(x: jax.Array) -> jax.Array:
 def _heads_for(weights, axes, dest: jax.Array, n: int):
     """The query heads of device `dest` and the kv heads they use (repeated kv heads
     when there are fewer than n), with their biases and norm scales."""
-    heads, kv = weights.query.shape[1], weights.key.shape[1]
+    heads, kv = weights.num_heads, weights.num_kv_heads
     per, kv_per = heads // n, max(1, kv // n)
     kv_start = dest * kv_per if kv >= n else dest * kv // n
     weights = take_along(weights, axes, "heads", dest * per, per)
@@ -55,15 +55,24 @@ def _pairwise_attention(block, x, positions, weights, axes, attend, n: int, wrap
     while the previous device's block travels, and each arriving output block's GEMM
     while the next one travels."""
     weights = cast_like(weights, x)
+    shared = block.prepare(x, weights)  # once, not per step (MLA's down-projections)
 
     def qkv_for(dest):  # one buffer per step: q, k and v side by side over heads
-        q, k, v = block.project(x, _heads_for(weights, axes, dest, n))
-        return jnp.concatenate((*block.rotate(q, k, positions), v), axis=2)
+        q, k, v = block.project_heads(shared, _heads_for(weights, axes, dest, n))
+        q, k = block.rotate(q, k, positions)
+        if v.shape[-1] != q.shape[-1]:  # MLA's values are another width: their own buffer
+            return jnp.concatenate((q, k), axis=2), v
+        return jnp.concatenate((q, k, v), axis=2)
 
     got = cm.pairwise_all_to_all(qkv_for, n, wrap)
-    qkv = cm.place([b for _, b in got], [source for source, _ in got], axis=1)
-    per = weights.query.shape[1] // n
-    q, k, v = jnp.split(qkv, (per, per + (qkv.shape[2] - per) // 2), axis=2)
+    sources = [source for source, _ in got]
+    per = weights.num_heads // n
+    if isinstance(got[0][1], tuple):
+        qk, v = (cm.place([b[i] for _, b in got], sources, axis=1) for i in (0, 1))
+        q, k = jnp.split(qk, (per,), axis=2)
+    else:
+        qkv = cm.place([b for _, b in got], sources, axis=1)
+        q, k, v = jnp.split(qkv, (per, per + (qkv.shape[2] - per) // 2), axis=2)
     o = attend(q, k, v)
     y = 0
     back = cm.pairwise_all_to_all(lambda dest: cm.block_of(o, dest, n, 1), n, wrap)
