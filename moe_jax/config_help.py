@@ -42,6 +42,11 @@ MEANINGS: dict[str, str] = {
         "bfloat16), `blockwise` (flash-style blocks in plain JAX, any backend) or `auto` (cudnn on "
         "GPU in bfloat16, else blockwise)"
     ),
+    "model.mtp_depth": (
+        "multi-token prediction modules after the stack (DeepSeek-V3; HF "
+        "`num_nextn_predict_layers`): module k predicts the token k + 1 ahead; 0 = off. "
+        "Trained only: `sample` and `evaluate` use the main head"
+    ),
     "moe.num_experts": "routed experts per MoE layer",
     "moe.top_k": "experts each token is sent to",
     "moe.expert_mlp_dim": "hidden width of each routed expert",
@@ -116,6 +121,10 @@ MEANINGS: dict[str, str] = {
         "chunks of the sequence the loss and its gradient run over, so float32 [batch, seq, vocab] "
         "logits never exist; 0 picks the fewest power-of-two chunks keeping one chunk's logits "
         "under 256 MiB (1 for small models)"
+    ),
+    "train.mtp_loss_weight": (
+        "loss = lm_loss + weight * mtp_loss (the mean over the `model.mtp_depth` depths); "
+        "logged as `mtp_loss`"
     ),
     "data.source": "`stdlib` (embedded corpus), `tokens` (prepared files) or `synthetic`",
     "data.path": (
