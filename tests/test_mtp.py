@@ -20,7 +20,6 @@ from moe_jax.parallel import pipeline
 from moe_jax.train_state import build_model
 from moe_jax.train_step import loss_fn
 from tests.layouts import (
-    DENSE,
     FAST_COMPILE,
     assert_trees_close,
     batch,
@@ -28,7 +27,7 @@ from tests.layouts import (
     reference,
     with_plan,
 )
-from tests.pipelined import one_device, pipelined
+from tests.pipelined import MODEL, one_device, pipelined
 
 
 def _mtp(config, depth: int, **train):
@@ -39,10 +38,12 @@ def _mtp(config, depth: int, **train):
     )
 
 
-# The layout tests' model with a dense first layer and shared experts, vocabulary 256
-# (intra 4 divides it), two MTP modules (MoE blocks, as layers 3 and 4 would be).
+# The pipeline tests' model (a dense first layer, four MoE layers, aux and sequence aux
+# losses, bias updates) with vocabulary 256 (intra 4 divides it) and two MTP modules
+# (MoE blocks, as layers 5 and 6 would be), accumulating M = 4 micro-batches: the one
+# single-device reference of every multi-device test here.
 BASE = _mtp(
-    dataclasses.replace(DENSE, model=dataclasses.replace(DENSE.model, vocab_size=256)),
+    dataclasses.replace(one_device(4), model=dataclasses.replace(MODEL.model, vocab_size=256)),
     2,
     mtp_loss_weight=0.3,
 )
@@ -101,7 +102,10 @@ def test_depth_one_loss_equals_written_out_and_its_gradients_reach_embedding_and
     np.testing.assert_allclose(mtp_loss, ce1, rtol=1e-5)
     # the MoE terms are those of every MoE layer, the MTP block's included
     moe = config.moe
-    router = moe.aux_loss_coef * metrics["aux_loss"] + moe.z_loss_coef * metrics["z_loss"]
+    router = sum(
+        getattr(moe, f"{name}_coef") * metrics[name]
+        for name in ("aux_loss", "seq_aux_loss", "z_loss")
+    )
     np.testing.assert_allclose(metrics["loss"] - router, total, rtol=1e-5)
     assert metrics["mtp_load"].shape == (1, moe.num_experts)
     assert float(metrics["mtp_load"].sum()) == data["inputs"].size * moe.top_k
@@ -146,7 +150,9 @@ def test_two_stage_pipeline_equals_one_stage():
     """2 stages, 4 micro-batches: each stage runs its 2 micro-batches' MTP modules one
     at a time (MoE aux losses are per micro-batch), against one device accumulating the
     same 4 micro-batches."""
-    run = planned(_mtp(pipelined(2, 1, 4, 4), 1))
-    ref = reference(_mtp(one_device(4), 1))
+    plan = pipelined(2, 1, 4, 4).parallel
+    train = dataclasses.replace(BASE.train, grad_accum=1)
+    run = planned(dataclasses.replace(BASE, train=train, parallel=plan))
+    ref = reference(BASE)
     np.testing.assert_array_equal(run.metrics["load"], ref.metrics["load"])
     _assert_equal(run, ref, pipeline.canonical)
