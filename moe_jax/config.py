@@ -122,6 +122,9 @@ class ModelConfig:
     qk_nope_head_dim: int = 0  # mla: per-head query/key width without rotary
     qk_rope_head_dim: int = 0  # mla: rotary width, its key shared by all heads
     v_head_dim: int = 0  # mla: per-head value width
+    # Multi-token prediction (DeepSeek-V3): D modules after the stack, module k predicting
+    # the token k + 1 ahead (`moe_jax.model.mtp`); 0 = off (HF: num_nextn_predict_layers).
+    mtp_depth: int = 0
 
     @property
     def num_moe_layers(self) -> int:
@@ -165,6 +168,7 @@ class TrainConfig:
     keep_checkpoints: int = 3
     max_bad_steps: int = 5  # consecutive non-finite losses before the run stops
     loss_chunks: int = 0  # chunks of the sequence the loss runs over; 0 = by logits size
+    mtp_loss_weight: float = 0.1  # loss = lm + weight * mean over model.mtp_depth depths
     memory_limit_gb: float = 0.0  # per device, checked before compiling; 0 = the device's
     # A fresh run's weights from another run or a Hugging Face checkpoint directory
     # (step 0, fresh optimizer); upcycle: none, copy or split (moe_jax.init_from).
@@ -452,6 +456,7 @@ def validate(config: Config) -> None:
         t.loss_chunks,
         f"must be 0 (automatic) or divide train.seq_len={t.seq_len}",
     )
+    config_rules.validate_mtp(config)
     for name in ("b1", "b2"):
         _check(0 <= getattr(t, name) < 1, f"train.{name}", getattr(t, name), "must be in [0, 1)")
 

@@ -69,6 +69,11 @@ MEANINGS: dict[str, str] = {
     "model.qk_nope_head_dim": "mla: per-head query/key width without rotary",
     "model.qk_rope_head_dim": "mla: rotary width (even); its key is shared by every head",
     "model.v_head_dim": "mla: per-head value width (may differ from the query/key width)",
+    "model.mtp_depth": (
+        "multi-token prediction modules after the stack (DeepSeek-V3; HF "
+        "`num_nextn_predict_layers`): module k predicts the token k + 1 ahead; 0 = off. "
+        "Trained only: `sample` and `evaluate` use the main head"
+    ),
     "moe.num_experts": "routed experts per MoE layer",
     "moe.top_k": "experts each token is sent to",
     "moe.expert_mlp_dim": "hidden width of each routed expert",
@@ -147,6 +152,10 @@ MEANINGS: dict[str, str] = {
         "chunks of the sequence the loss and its gradient run over, so float32 [batch, seq, vocab] "
         "logits never exist; 0 picks the fewest power-of-two chunks keeping one chunk's logits "
         "under 256 MiB (1 for small models)"
+    ),
+    "train.mtp_loss_weight": (
+        "loss = lm_loss + weight * mtp_loss (the mean over the `model.mtp_depth` depths); "
+        "logged as `mtp_loss`"
     ),
     "data.source": "`stdlib` (embedded corpus), `tokens` (prepared files) or `synthetic`",
     "data.path": (

@@ -153,6 +153,20 @@ def check_meaningful(config: Config) -> None:
     )
 
 
+def validate_mtp(config: Config) -> None:
+    """Multi-token prediction: depth k scores the token k + 1 ahead, so each depth needs
+    a position whose target lies inside the sequence."""
+    m, t = config.model, config.train
+    check(m.mtp_depth >= 0, "model.mtp_depth", m.mtp_depth, "must be >= 0 (0 turns MTP off)")
+    check(
+        m.mtp_depth < t.seq_len,
+        "model.mtp_depth",
+        m.mtp_depth,
+        f"must be < train.seq_len={t.seq_len}: depth k predicts the token k + 1 ahead",
+    )
+    check(t.mtp_loss_weight >= 0, "train.mtp_loss_weight", t.mtp_loss_weight, "must be >= 0")
+
+
 def profile_steps(steps: str) -> tuple[int, int] | None:
     """The [start, stop) steps of `profile.steps` to trace, or None when profiling is off."""
     if not steps:

@@ -45,8 +45,9 @@ def checked_sections(saved, given: dict, batches: int):
     return data, train
 
 
-def score(workdir: Path, given: dict, split: str, batches: int) -> tuple[int, float, int]:
-    """(checkpoint step, mean loss in nats per token, tokens scored)."""
+def score(workdir: Path, given: dict, split: str, batches: int) -> tuple[int, float, int, int]:
+    """(checkpoint step, mean loss in nats per token of the main head, tokens scored, the
+    run's multi-token prediction modules, which are not scored)."""
     import jax
     import numpy as np
 
@@ -72,7 +73,7 @@ def score(workdir: Path, given: dict, split: str, batches: int) -> tuple[int, fl
         float(fn(state, pipeline.global_array(next(stream), sharding, t.batch_size)))
         for _ in range(count)
     ]
-    return step, float(np.mean(losses)), count * t.batch_size * t.seq_len
+    return step, float(np.mean(losses)), count * t.batch_size * t.seq_len, config.model.mtp_depth
 
 
 @signals.interruptible("evaluation")
@@ -89,13 +90,14 @@ def main(argv: list[str]) -> None:
     workdir = Path(_WORKDIR.value)
     try:
         paths.check_input(workdir, "--workdir", "dir")
-        step, loss, tokens = score(workdir, given, _SPLIT.value, _BATCHES.value)
+        step, loss, tokens, mtp = score(workdir, given, _SPLIT.value, _BATCHES.value)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
     print(
         f"{_SPLIT.value} loss {loss:.4f} nats/token, perplexity {math.exp(loss):.3f} "
-        f"({tokens} tokens, step {step} of {workdir})"
+        f"({tokens} tokens, step {step} of {workdir}"
+        + (f"; main head only, its {mtp} MTP modules not scored)" if mtp else ")")
     )
 
 

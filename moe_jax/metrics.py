@@ -24,6 +24,7 @@ from tensorboardX import SummaryWriter
 TERMINAL = (
     ("loss", "loss"),
     ("lm_loss", "lm"),
+    ("mtp_loss", "mtp"),
     ("aux_loss", "aux"),
     ("z_loss", "z"),
     ("grad_norm", "grad_norm"),

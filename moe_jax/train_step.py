@@ -18,8 +18,9 @@ from jax.sharding import PartitionSpec as P
 
 from moe_jax import optimizer
 from moe_jax.config import Config
+from moe_jax.model import mtp as mtp_lib
 from moe_jax.model.loss import loss_chunks
-from moe_jax.moe.balancing import update_bias
+from moe_jax.moe.balancing import update_biases
 from moe_jax.parallel import grad_exchange, per_device_step
 from moe_jax.parallel import mesh as mesh_lib
 from moe_jax.parallel.layout import Layout
@@ -49,12 +50,19 @@ def init_placed(config: Config, layout: Layout, shardings):
     return init_program(config, layout, shardings)()
 
 
-def loss_fn(params, biases, graphdef, batch, config: Config):
+def loss_fn(params, biases, graphdef, batch, config: Config, mtp: bool = True):
     """Total loss and its parts; MoE terms are summed over MoE layers. The language-model
-    loss runs over `loss_chunks(...)` chunks of the sequence (`moe_jax.model.loss`)."""
+    loss runs over `loss_chunks(...)` chunks of the sequence (`moe_jax.model.loss`).
+    With `model.mtp_depth` (and `mtp`) the multi-token prediction term is added
+    (`moe_jax.model.mtp`); a batch not yet `mtp.with_targets`'s must hold whole
+    sequences (not one device's part)."""
     model = nnx.merge(graphdef, params, biases)
     chunks = loss_chunks(config, *batch["inputs"].shape)
-    if chunks == 1 and model.layout.chunk_loss is None:
+    mtp_load = None
+    if mtp and config.model.mtp_depth:
+        batch = mtp_lib.with_targets(batch, config.model.mtp_depth)
+        lm_loss, mtp_loss, (stats, mtp_load) = mtp_lib.losses(model, batch, chunks)
+    elif chunks == 1 and model.layout.chunk_loss is None:
         logits, stats = model(batch["inputs"])
         lm_loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
         lm_loss = lm_loss.mean()
@@ -62,6 +70,11 @@ def loss_fn(params, biases, graphdef, batch, config: Config):
         lm_loss, stats = model.chunked_loss(batch["inputs"], batch["targets"], chunks)
     metrics = {"lm_loss": lm_loss}
     loss = lm_loss
+    if mtp and config.model.mtp_depth:
+        metrics["mtp_loss"] = mtp_loss
+        loss = loss + config.train.mtp_loss_weight * mtp_loss
+    if mtp_load is not None:
+        metrics["mtp_load"] = mtp_load
     if stats is not None:
         moe = config.moe
         metrics.update(
@@ -97,9 +110,7 @@ def pipelined_loss(config: Config):
 
     def loss(params, biases, graphdef, batch, config):
         total, metrics = loss_fn(params, biases, graphdef, batch, config)
-        if "load" in metrics:
-            metrics = {**metrics, "load": metrics["load"] * micro}
-        return total, metrics
+        return total, _loads_times(metrics, micro)
 
     return loss
 
@@ -110,6 +121,7 @@ def gradients(state: TrainState, graphdef, batch, config: Config):
     they are computed per device (`moe_jax.parallel.per_device_step`) and the gradients
     summed there (placed as it leaves them)."""
     layout = _layout(graphdef, state)
+    batch = mtp_lib.with_targets(batch, config.model.mtp_depth)  # while sequences are whole
     if not per_device_step.runs_per_device(layout):
         return accumulated(state.params, state.biases, graphdef, batch, config, loss_fn)
     specs = _param_specs(state, layout)
@@ -155,9 +167,14 @@ def accumulated(params, biases, graphdef, batch, config: Config, loss):
     for m in range(1, micro):
         metrics = jax.tree.map(lambda total, x, m=m: total + x[m], metrics, stacked)
     metrics, grads = jax.tree.map(lambda x: x / micro, (metrics, grads))
-    if "load" in metrics:
-        metrics["load"] = metrics["load"] * micro  # loads add up over the whole batch
-    return metrics, grads
+    return _loads_times(metrics, micro), grads
+
+
+def _loads_times(metrics: dict, micro: int) -> dict:
+    """`metrics` with the expert loads (means over `micro` micro-batches) scaled back to
+    the whole batch's counts: loads add up."""
+    loads = {k: metrics[k] * micro for k in ("load", "mtp_load") if k in metrics}
+    return {**metrics, **loads}
 
 
 # The learning rate's type: what a step compiled from abstract inputs is lowered with.
@@ -218,7 +235,7 @@ def apply_gradients(config: Config, state: TrainState, metrics: dict, grads, lr)
         params, opt_state, biases = current
         params, opt_state = stepped(params, opt_state)
         if "load" in metrics and rate > 0:
-            biases = jax.tree.map(lambda b: update_bias(b, metrics["load"], rate), biases)
+            biases = update_biases(biases, metrics, rate)
         return params, opt_state, biases
 
     params, opt_state, biases = jax.lax.cond(
@@ -239,13 +256,14 @@ def _all_finite(tree) -> jax.Array:
 
 
 def eval_step(graphdef, config: Config, state: TrainState, batch) -> jax.Array:
-    """Mean next-token cross-entropy (nats per token) on one batch."""
+    """Mean next-token cross-entropy (nats per token) on one batch: the main head's
+    (multi-token prediction modules are not run)."""
     layout = _layout(graphdef, state)
     if not layout.pipelined:
-        _, metrics = loss_fn(state.params, state.biases, graphdef, batch, config)
+        _, metrics = loss_fn(state.params, state.biases, graphdef, batch, config, mtp=False)
         return metrics["lm_loss"]
     graphdef = per_device_step.per_device_graph(graphdef, state.params, state.biases)
-    loss = lambda params, biases, batch: loss_fn(params, biases, graphdef, batch, config)
+    loss = lambda params, biases, batch: loss_fn(params, biases, graphdef, batch, config, mtp=False)
     specs = _param_specs(state, layout)
     metrics = per_device_step.step_loss(layout, loss, state.params, state.biases, batch, specs)
     return metrics["lm_loss"]

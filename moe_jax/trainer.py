@@ -72,7 +72,8 @@ def _evaluate(eval_fn, state, config: config_lib.Config, sharding, rows) -> floa
 def _step_row(step: int, metrics: dict[str, Any], throughput: dict, plan: dict) -> dict:
     host = jax.device_get(metrics)
     row: dict[str, Any] = {"step": step, **plan}
-    for key in ("loss", "lm_loss", "aux_loss", "seq_aux_loss", "z_loss", "grad_norm", "lr"):
+    scalars = ("loss", "lm_loss", "mtp_loss", "aux_loss", "seq_aux_loss", "z_loss", "grad_norm")
+    for key in (*scalars, "lr"):
         if key in host:
             row[key] = float(host[key])
     row.update(throughput)
@@ -83,6 +84,8 @@ def _step_row(step: int, metrics: dict[str, Any], throughput: dict, plan: dict) 
         row["expert_load_max_over_mean_per_layer"] = [float(x) for x in per_layer]
         row["expert_load"] = (load / load.sum(-1, keepdims=True)).round(5).tolist()
         row["dropped_fraction"] = float(host["dropped_fraction"])
+    if "mtp_load" in host:  # [MTP depths, experts]; zero rows for dense depths
+        row["mtp_expert_load"] = np.asarray(host["mtp_load"], np.float64).tolist()
     return row
 
 

@@ -45,13 +45,19 @@ def loss_chunks(config: Config, batch: int, seq: int) -> int:
     return config.train.loss_chunks or auto_chunks(batch, seq, config.model.vocab_size)
 
 
-def cross_entropy_sum(x: jax.Array, head: jax.Array, targets: jax.Array) -> jax.Array:
-    """Summed cross-entropy of float32 logits `x @ head` against `targets`."""
+def cross_entropy_sum(
+    x: jax.Array, head: jax.Array, targets: jax.Array, weights: jax.Array | None = None
+) -> jax.Array:
+    """Summed cross-entropy of float32 logits `x @ head` against `targets`, each token's
+    times its weight where `weights` [b, s] are given (multi-token prediction masks the
+    positions whose target lies past the sequence)."""
     logits = jnp.einsum("bsd,dv->bsv", x, head, preferred_element_type=jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).sum()
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    return (losses if weights is None else losses * weights).sum()
 
 
-ChunkLoss = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+# (x, head, targets[, weights]) -> the chunk's summed (weighted) cross-entropy
+ChunkLoss = Callable[..., jax.Array]
 
 
 def chunked_cross_entropy(
@@ -60,18 +66,21 @@ def chunked_cross_entropy(
     targets: jax.Array,
     chunks: int,
     chunk_loss: ChunkLoss = cross_entropy_sum,
+    weights: jax.Array | None = None,
 ) -> jax.Array:
     """Mean cross-entropy of logits `x @ head` ([b, s, d] x [d, V], float32 logits)
     against `targets` [b, s], over `chunks` strided chunks of the sequence; `chunk_loss`
-    sums one chunk's (a layout may split it over the vocabulary)."""
+    sums one chunk's (a layout may split it over the vocabulary). With `weights` [b, s]
+    each token's loss is weighted (the sum is still divided by b * s)."""
     b, s, d = x.shape
     xs = x.reshape(b, s // chunks, chunks, d).transpose(2, 0, 1, 3)
-    ts = targets.reshape(b, s // chunks, chunks).transpose(2, 0, 1)
+    strided = lambda t: t.reshape(b, s // chunks, chunks).transpose(2, 0, 1)
+    parts = (xs, strided(targets)) if weights is None else (xs, strided(targets), strided(weights))
     # Keep only the chunk's inputs; its logits are rebuilt in the backward.
-    one_chunk = jax.checkpoint(lambda x, t: chunk_loss(x, head, t))
+    one_chunk = jax.checkpoint(lambda x, *rest: chunk_loss(x, head, *rest))
 
     def body(total, chunk):
         return total + one_chunk(*chunk), None
 
-    total, _ = jax.lax.scan(body, varying_zeros((), jnp.float32, x, head), (xs, ts))
+    total, _ = jax.lax.scan(body, varying_zeros((), jnp.float32, x, head), parts)
     return total / (b * s)

@@ -20,6 +20,7 @@ from moe_jax.model.axes import param
 from moe_jax.model.layers import MLP, Embed, RMSNorm
 from moe_jax.model.loss import chunked_cross_entropy
 from moe_jax.model.mla import MLAttention
+from moe_jax.model.mtp import MTP
 from moe_jax.moe.block import MoE, MoEStats
 from moe_jax.parallel.layout import SINGLE_DEVICE, Layout
 
@@ -135,6 +136,8 @@ class Transformer(nnx.Module):
             if cfg.tie_embeddings
             else param(rngs, (cfg.embed_dim, cfg.vocab_size), ("embed", "vocab"))
         )
+        # Multi-token prediction modules, made last so the rest is drawn as without them.
+        self.mtp = MTP(cfg, moe, Block, rngs=rngs, layout=layout) if cfg.mtp_depth else None
 
     def features(self, tokens: jax.Array) -> tuple[jax.Array, MoEStats | None]:
         """tokens [batch, seq] -> (the final-normed hidden states, stacked MoE stats)."""
@@ -163,11 +166,19 @@ class Transformer(nnx.Module):
         that splits the vocabulary computes each chunk over its shards of the head, which
         it gets as stored."""
         x, stats = self.features(tokens)
+        return self.head_loss(x, targets, chunks), stats
+
+    def head_loss(
+        self, x: jax.Array, targets: jax.Array, chunks: int, weights: jax.Array | None = None
+    ) -> jax.Array:
+        """The output head's mean cross-entropy on hidden states `x` (final-normed), as
+        `chunked_loss` computes it; per-token `weights` as `chunked_cross_entropy`'s."""
         split = self.layout.chunk_loss
         if split is None:
-            return chunked_cross_entropy(x, self.output_weights(), targets, chunks), stats
+            head = self.output_weights()
+            return chunked_cross_entropy(x, head, targets, chunks, weights=weights)
         head = self.embed.table[...].T if self.head is None else self.head[...]
-        return chunked_cross_entropy(x, head, targets, chunks, split), stats
+        return chunked_cross_entropy(x, head, targets, chunks, split, weights)
 
     def __call__(self, tokens: jax.Array) -> tuple[jax.Array, MoEStats | None]:
         """tokens [batch, seq] -> (logits [batch, seq, vocab] float32, stacked MoE stats)."""

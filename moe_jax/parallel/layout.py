@@ -159,6 +159,19 @@ class Layout:
                 start = jax.lax.axis_index(self.seq_axes) * s
         return jnp.broadcast_to(start + jnp.arange(s), (b, s))
 
+    def microbatched(self, fn, *args):
+        """`fn(*args)` -> a tree of means, for what runs after the pipelined stack but is
+        not linear in the batch (multi-token prediction's MoE blocks): under a pipeline,
+        run per device on each of its M / S micro-batches (rows split that many ways) in
+        turn and averaged, as a one-device run with `train.grad_accum` = M runs it;
+        otherwise once on the whole."""
+        k = self.microbatches // self.stages if self.pipelined and self.per_device else 1
+        if k == 1:
+            return fn(*args)
+        split = jax.tree.map(lambda a: a.reshape(k, a.shape[0] // k, *a.shape[1:]), args)
+        out = jax.lax.map(lambda a: fn(*a), split)
+        return jax.tree.map(lambda o: o.mean(0), out)
+
     # Each block kind runs under a name scope of its own, so the compiled
     # program says which block a collective belongs to.
     def attention(self, block, x, positions, weights, axes, attend):

@@ -62,14 +62,17 @@ def embed(layout, table: jax.Array, tokens: jax.Array) -> jax.Array:
     return layout.block_map(body, in_specs, spec)(table, tokens)
 
 
-def cross_entropy(layout, x: jax.Array, head: jax.Array, targets: jax.Array) -> jax.Array:
+def cross_entropy(
+    layout, x: jax.Array, head: jax.Array, targets: jax.Array, weights: jax.Array | None = None
+) -> jax.Array:
     """Summed cross-entropy of logits `x @ head` ([b, c, d] x [d, V] as stored, float32
-    logits) against `targets` [b, c], with the vocabulary split over the intra group.
-    The head is cast inside, so its gradient is reduced over 'data' in float32."""
+    logits) against `targets` [b, c], with the vocabulary split over the intra group;
+    each token's times its weight where `weights` [b, c] are given. The head is cast
+    inside, so its gradient is reduced over 'data' in float32."""
     axis = _token_axis(layout)
     spec = layout.activation_spec()
 
-    def body(x, head, targets):
+    def body(x, head, targets, *weights):
         with jax.named_scope(LOSS_EXCHANGE):
             x, targets = _gather_group(x, axis), _gather_group(targets, axis)
         logits = jnp.einsum(
@@ -83,13 +86,26 @@ def cross_entropy(layout, x: jax.Array, head: jax.Array, targets: jax.Array) -> 
             top = jax.lax.pmax(top, INTRA)
             total = jax.lax.psum(jnp.exp(logits - top[..., None]).sum(-1), INTRA)
             target = jax.lax.psum(picked, INTRA)
-            group = (jnp.log(total) + top - target).sum()  # the group's, on each of its n
+            losses = jnp.log(total) + top - target
+            group = _weighted(losses, weights[0], axis) if weights else losses.sum()
+            # group: the group's sum, on each of its n
             if layout.per_device:  # one device's share: the step's mean adds the rest
                 return group / layout.size(INTRA)
             return jax.lax.psum(group, DATA)
 
-    in_specs = (spec, P(None, INTRA), P(*spec[:2]))
-    return layout.block_map(body, in_specs, P())(x, head, targets)
+    given = () if weights is None else (weights,)
+    in_specs = (spec, P(None, INTRA), *[P(*spec[:2])] * (1 + len(given)))
+    return layout.block_map(body, in_specs, P())(x, head, targets, *given)
+
+
+def _weighted(losses: jax.Array, weights: jax.Array, axis: int) -> jax.Array:
+    """The group's weighted sum of `losses` (of all the group's tokens, on each device)
+    with each device's `weights` of its own tokens: its slice, weighted, summed over
+    the group (a scalar, where gathering the weights would be [b, c])."""
+    size = weights.shape[axis]
+    start = jax.lax.axis_index(INTRA) * size
+    own = jax.lax.dynamic_slice_in_dim(losses, start, size, axis)
+    return jax.lax.psum((own * weights).sum(), INTRA)
 
 
 def _problems(config) -> list[str]:
