@@ -107,7 +107,10 @@ def _resume_changes(ours: dict, saved: dict, step: int, directory: Path) -> list
     flat = lambda c: {f"{s}.{k}": v for s, section in c.items() for k, v in section.items()}
     ours_flat, saved_flat = flat(ours), flat(saved)
     changed = [k for k in sorted(ours_flat) if k in saved_flat and ours_flat[k] != saved_flat[k]]
-    model, model_saved = checkpoint.architecture(ours), checkpoint.architecture(saved)
+    # A setting added since the checkpoint was saved holds its default there.
+    model = checkpoint.architecture(ours)
+    defaults = checkpoint.architecture(config_lib.to_config_dict(config_lib.Config()))
+    model_saved = {**defaults, **checkpoint.architecture(saved)}
     refused = {
         "another model": [
             (k, model.get(k), model_saved.get(k))

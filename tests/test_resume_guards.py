@@ -161,3 +161,18 @@ def test_a_checkpoint_write_that_fills_the_disk_is_one_line(tmp_path, monkeypatc
         ), message
         assert Checkpointer(run / "checkpoints", 3).steps() == [2]
         assert Checkpointer(run / "checkpoints", 3).newest_readable()[0] == 2
+
+
+def test_a_checkpoint_saved_before_a_setting_existed_resumes_at_its_default(tmp_path):
+    """A checkpoint's config written before a model setting was added (here the MTP,
+    MLA and rotary-scaling ones) lacks it: it held the default, so the same defaults
+    resume and another value is refused as another model."""
+    from moe_jax import config as config_lib
+
+    ours = dataclasses.asdict(config_lib.Config())
+    added = ("mtp_depth", "attention", "kv_lora_rank", "rope_scaling", "rope_factor")
+    saved = {**ours, "model": {k: v for k, v in ours["model"].items() if k not in added}}
+    assert trainer._resume_changes(ours, saved, 2, tmp_path) == []
+    deeper = {**ours, "model": {**ours["model"], "mtp_depth": 1}}
+    with pytest.raises(ValueError, match=r"model\.mtp_depth=1 here but 0 there \(another model\)"):
+        trainer._resume_changes(deeper, saved, 2, tmp_path)
