@@ -17,7 +17,7 @@ from flax import nnx
 from moe_jax.config import load, to_config_dict
 from moe_jax.kernels.attention import xla_attention
 from moe_jax.kernels.blockwise_attention import blockwise_attention
-from moe_jax.model import decode, remat
+from moe_jax.model import decode, remat, rope
 from moe_jax.model.mla import MLAttention
 from moe_jax.model.transformer import Transformer
 from moe_jax.plan.resolve import check_plan
@@ -64,10 +64,13 @@ def _rms(x: np.ndarray, scale: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * scale
 
 
-def _rope(x: np.ndarray, theta: float) -> np.ndarray:
-    """Half-split rotary on x [b, s, ..., r] at positions 0..s-1."""
+def _rope(x: np.ndarray, theta: float, frequencies: np.ndarray | None = None) -> np.ndarray:
+    """Half-split rotary on x [b, s, ..., r] at positions 0..s-1 (at `frequencies`, else
+    theta's own)."""
     half = x.shape[-1] // 2
-    angle = np.arange(x.shape[1])[:, None] * theta ** (-np.arange(half) / half)  # [s, half]
+    if frequencies is None:
+        frequencies = theta ** (-np.arange(half) / half)
+    angle = np.arange(x.shape[1])[:, None] * frequencies  # [s, half]
     angle = angle.reshape(1, x.shape[1], *([1] * (x.ndim - 3)), half)
     x1, x2 = x[..., :half], x[..., half:]
     return np.concatenate(
@@ -75,11 +78,27 @@ def _rope(x: np.ndarray, theta: float) -> np.ndarray:
     )
 
 
-def test_block_follows_the_written_out_formulas():
+# DeepSeek-V2's YaRN (mscale = mscale_all_dim = 0.707: cos and sin unscaled), stretched
+# from 4 positions so that the 16 here reach the interpolated frequencies.
+YARN = dict(
+    rope_scaling="yarn",
+    rope_factor=40.0,
+    rope_original_max_position=4,
+    rope_beta_fast=32.0,
+    rope_beta_slow=1.0,
+    rope_mscale=0.707,
+    rope_mscale_all_dim=0.707,
+)
+
+
+@pytest.mark.parametrize("scaling", [{}, YARN], ids=["no_scaling", "yarn"])
+def test_block_follows_the_written_out_formulas(scaling: dict):
     """The block (xla core) equals MLA written out in numpy (float64): c_q = norm(x W_qa),
     q = c_q W_qb; [c_kv, k_pe] = x W_kva, c_kv normed, [k_nope, v] = c_kv W_kvb per head;
-    rotary on q_pe and on the one k_pe every head shares; scale (6 + 4)^-0.5; out."""
-    m = dataclasses.replace(MLA.model, attention_impl="xla")
+    rotary on q_pe and on the one k_pe every head shares; scale (6 + 4)^-0.5; out. Under
+    YaRN: its frequencies (checked against transformers in test_hf_references) and the
+    scale times (0.1 mscale_all_dim ln(factor) + 1)^2."""
+    m = dataclasses.replace(MLA.model, attention_impl="xla", **scaling)
     attn = MLAttention(m, rngs=nnx.Rngs(3))
     w = jax.tree.map(np.float64, attn.weights())
     scales = jax.random.split(jax.random.key(4), 2)
@@ -98,13 +117,17 @@ def test_block_follows_the_written_out_formulas():
     got = run.lower(state, x32).compile(layouts.FAST_COMPILE)(state, x32)
 
     eps, theta = m.norm_eps, m.rope_theta
+    freq, scale = None, 10**-0.5
+    if scaling:
+        freq = rope.inverse_frequencies(4, theta, rope.RopeScaling.of(m))
+        scale *= (0.1 * 0.707 * np.log(40.0) + 1) ** 2
     q = np.einsum("bsr,rhk->bshk", _rms(x @ w.query_down, w.query_norm, eps), w.query_up)
     joint = x @ w.kv_down
-    c_kv, k_pe = _rms(joint[..., :10], w.kv_norm, eps), _rope(joint[..., 10:], theta)
+    c_kv, k_pe = _rms(joint[..., :10], w.kv_norm, eps), _rope(joint[..., 10:], theta, freq)
     kv = np.einsum("bsr,rhk->bshk", c_kv, w.kv_up)
     k = np.concatenate([kv[..., :6], np.broadcast_to(k_pe[:, :, None], (2, 16, 8, 4))], -1)
-    q = np.concatenate([q[..., :6], _rope(q[..., 6:], theta)], -1)
-    scores = np.einsum("bqhd,bkhd->bhqk", q, k) * 10**-0.5
+    q = np.concatenate([q[..., :6], _rope(q[..., 6:], theta, freq)], -1)
+    scores = np.einsum("bqhd,bkhd->bhqk", q, k) * scale
     scores = np.where(np.tril(np.ones((16, 16), bool)), scores, -np.inf)
     probs = np.exp(scores - scores.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)

@@ -29,9 +29,10 @@ from flax import nnx
 from moe_jax.config import ModelConfig
 from moe_jax.config_attention import mla_head_width
 from moe_jax.kernels.attention import Attend, attention_fn
-from moe_jax.model import remat
+from moe_jax.model import remat, rope
 from moe_jax.model.axes import param
 from moe_jax.model.layers import RMSNorm, cast_like, rms_norm, rotary
+from moe_jax.model.rope import NO_SCALING, RopeScaling
 from moe_jax.parallel.layout import SINGLE_DEVICE, Layout
 
 
@@ -80,8 +81,10 @@ def held_axes(w: MLAWeights) -> MLAWeights:
 
 def softmax_scale(cfg: ModelConfig) -> float:
     """The one softmax scale of MLA's scores: 1/sqrt(qk_nope + qk_rope), the width the
-    checkpoint's queries and keys have (a rotary scaling's correction multiplies here)."""
-    return (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
+    checkpoint's queries and keys have, times YaRN's mscale² where the rotary scaling
+    sets it (`rope.softmax_multiplier`; DeepSeek-V3's is about 1.87)."""
+    multiplier = rope.softmax_multiplier(RopeScaling.of(cfg))
+    return (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5 * multiplier
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +97,7 @@ class MLABlock:
     rope: int  # qk_rope_head_dim
     softmax_scale: float
     eps: float = 1e-6  # of the latent norms
+    scaling: RopeScaling = NO_SCALING  # the checkpoint's rotary scaling (model.rope_*)
 
     def query_input(self, x: jax.Array, w: MLAWeights) -> jax.Array:
         """What the per-head query projection reads: the normed query latent, or `x`."""
@@ -141,7 +145,7 @@ class MLABlock:
     def rope_part(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         """`x` [b, s, heads, ...] with rotary on its last `rope` channels only."""
         keep, turn = jnp.split(x, (x.shape[-1] - self.rope,), axis=-1)
-        return jnp.concatenate((keep, rotary(turn, positions, self.theta)), axis=-1)
+        return jnp.concatenate((keep, rotary(turn, positions, self.theta, self.scaling)), axis=-1)
 
     def rotate(self, q: jax.Array, k: jax.Array, positions: jax.Array) -> tuple[jax.Array, ...]:
         return self.rope_part(q, positions), self.rope_part(k, positions)
@@ -197,7 +201,12 @@ class MLAttention(nnx.Module):
     def block(self) -> MLABlock:
         c = self.cfg
         return MLABlock(
-            c.rope_theta, c.qk_nope_head_dim, c.qk_rope_head_dim, softmax_scale(c), c.norm_eps
+            c.rope_theta,
+            c.qk_nope_head_dim,
+            c.qk_rope_head_dim,
+            softmax_scale(c),
+            c.norm_eps,
+            RopeScaling.of(c),
         )
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
