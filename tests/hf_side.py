@@ -13,7 +13,14 @@ from tests.commands import ROOT
 
 HF_PYTHON = ROOT / ".venv-hf" / "bin" / "python"
 TRANSFORMERS_SIDE = ROOT / "moe_jax" / "convert" / "transformers_side.py"
-MOE = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+MOE = (
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "DeepseekV3ForCausalLM",  # MLA with a query latent, YaRN, groups, an MTP layer
+    "DeepseekV2ForCausalLM",  # V2-Lite's shape: one query projection, greedy softmax
+)
+DEEPSEEK = MOE[3:]
 DENSE = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 NEEDS_HF = pytest.mark.skipif(
     not HF_PYTHON.exists(), reason="needs .venv-hf (make test builds it: requirements-hf.txt)"

@@ -7,6 +7,9 @@ tensor cannot pass. moe_jax imports it (8 forced CPU devices) and must give the 
 logits within 1e-4 in float32 and route every token of every MoE layer to the same
 experts; the export must load in `from_pretrained` and give them again; import ->
 export -> import is bit-identical; the fused expert layout imports to the same bits.
+DeepSeek-V3 and V2 (multi-head latent attention, rotary rows re-ordered from their
+interleaved layout) also write back every tensor they read, bit for bit, their MTP
+layers (which transformers ignores) and V3's router correction bias included.
 """
 
 from __future__ import annotations
@@ -45,9 +48,9 @@ def built(hf_built):
     return hf_built
 
 
-def _import(hf: Path, workdir: Path, parallel=DATA_PARALLEL) -> config_lib.Config:
+def _import(hf: Path, workdir: Path, parallel=DATA_PARALLEL, mtp="keep") -> config_lib.Config:
     return commands.import_hf(
-        hf, workdir, dataclasses.replace(config_lib.Config(), parallel=parallel)
+        hf, workdir, dataclasses.replace(config_lib.Config(), parallel=parallel), mtp
     )
 
 
@@ -142,10 +145,11 @@ def _expert_choices(workdir: Path, tokens: np.ndarray) -> np.ndarray:
 
 @cache
 def _params(workdir: Path) -> dict[str, np.ndarray]:
-    """The canonical parameters of the run in `workdir` (read once per run: the tests
-    only read them)."""
+    """The canonical parameters and router biases of the run in `workdir` (read once per
+    run: the tests only read them)."""
     *_, state = saved_run.restore(workdir, DATA_PARALLEL)
-    return {k: np.asarray(v) for k, v in param_paths(state.params).items()}
+    biases = {f"biases/{k}": v for k, v in param_paths(state.biases).items()}
+    return {k: np.asarray(v) for k, v in {**param_paths(state.params), **biases}.items()}
 
 
 def _assert_identical(a: dict, b: dict) -> None:
@@ -185,21 +189,38 @@ def test_export_loads_in_transformers_and_round_trips_bit_identically(
     np.testing.assert_array_equal(logits["chosen"], reference["chosen"])
     _import(out, tmp_path / "again")
     _assert_identical(_params(imported(architecture)), _params(tmp_path / "again"))
+    if architecture in hf_side.DEEPSEEK:  # every tensor read is written back, MTP's too
+        written = _tensors(out)
+        for name, value in _tensors(source / "hf").items():
+            assert np.array_equal(written[name], value), name
+
+
+def _tensors(directory: Path) -> dict[str, np.ndarray]:
+    return {k: v for f in directory.glob("*.safetensors") for k, v in load_file(str(f)).items()}
 
 
 @pytest.mark.parametrize("architecture", MOE)
-def test_parity_holds_under_sp_and_ep_a2a(built, tmp_path, architecture: str):
-    """Imported straight into the sp + ep_a2a plan (2 data groups of 4) and run there."""
+def test_parity_holds_under_sp_and_ep_a2a(built, tmp_path, capsys, architecture: str):
+    """Imported straight into the sp + ep_a2a plan (2 data groups of 4) and run there;
+    DeepSeek-V3 with `--mtp=drop`, which leaves its MTP layer out in one line."""
     source = built(architecture)
     reference = dict(np.load(source / "reference.npz"))
-    _import(source / "hf", tmp_path / "run", SP_EP)
+    drop = architecture == "DeepseekV3ForCausalLM"
+    config = _import(source / "hf", tmp_path / "run", SP_EP, "drop" if drop else "keep")
+    if drop:
+        assert config.model.mtp_depth == 0
+        assert capsys.readouterr().out.splitlines() == [
+            "--mtp=drop: left out the checkpoint's 1 MTP layer(s) (model.layers.3..3); "
+            "model.mtp_depth=0"
+        ]
     _assert_matches(reference, *_outputs(tmp_path / "run", reference["tokens"], SP_EP))
 
 
 @pytest.mark.parametrize(
     "damage,message",
     [
-        ("architecture", "architecture 'DeepseekV3ForCausalLM' is not supported"),
+        ("architecture", "architecture 'GptOssForCausalLM' is not supported"),
+        ("fp8 without scales", "has no block scales model.layers.1.self_attn.kv_b_proj.weight_"),
         ("missing shard", "shard model-00002-of-00002.safetensors named by"),
         ("wrong shape", "tensor model.norm.weight has shape [39], expected [40]"),
         ("unknown tensor", "tensor model.layers.0.mlp.extra.weight is not used"),
@@ -211,13 +232,28 @@ def test_parity_holds_under_sp_and_ep_a2a(built, tmp_path, architecture: str):
 def test_bad_checkpoints_are_refused_in_one_line_writing_nothing(
     built, tmp_path, damage: str, message: str
 ):
-    hf = Path(shutil.copytree(built("MixtralForCausalLM") / "hf_fused", tmp_path / "hf"))
-    tensors = load_file(str(hf / "model.safetensors"))
+    if damage == "fp8 without scales":  # DeepSeek-V3's as it ships, its scales shard lost
+        from tests.fp8_checkpoint import write_quantised
+
+        source = built("DeepseekV3ForCausalLM") / "hf"
+        config = json.loads((source / "config.json").read_text())
+        pick = lambda name: "f32" if name.endswith("kv_b_proj.weight") else None
+        hf = tmp_path / "hf"
+        write_quantised(load_file(str(source / "model.safetensors")), config, hf, pick)
+        (hf / "model-00002-of-00002.safetensors").unlink()
+        index = json.loads((hf / "model.safetensors.index.json").read_text())
+        index["weight_map"] = {k: v for k, v in index["weight_map"].items() if "_scale" not in k}
+        (hf / "model.safetensors.index.json").write_text(json.dumps(index))
+    else:
+        hf = Path(shutil.copytree(built("MixtralForCausalLM") / "hf_fused", tmp_path / "hf"))
+        tensors = load_file(str(hf / "model.safetensors"))
     if damage == "architecture":
         config = json.loads((hf / "config.json").read_text())
         (hf / "config.json").write_text(
-            json.dumps({**config, "architectures": ["DeepseekV3ForCausalLM"]})
+            json.dumps({**config, "architectures": ["GptOssForCausalLM"]})
         )
+    elif damage == "fp8 without scales":
+        pass
     elif damage == "no hidden_size":
         config = json.loads((hf / "config.json").read_text())
         del config["hidden_size"]

@@ -2,7 +2,8 @@
 `python -m moe_jax.convert export --workdir RUN --hf OUT [--arch A] [--dtype D]`.
 
 `import` reads a Hugging Face checkpoint (config.json and *.safetensors) of a supported
-family and writes a moe_jax run directory at step 0: config.py, config.json and an
+family (`--mtp=drop` leaves a DeepSeek-V3 checkpoint's MTP layers out) and writes a
+moe_jax run directory at step 0: config.py, config.json and an
 orbax checkpoint. `export` writes the newest checkpoint of a run as config.json and
 sharded safetensors that transformers' `from_pretrained` loads. Both take the plan
 they place the weights under as `--config.parallel.*` (default: this machine's
@@ -30,6 +31,12 @@ _ARCH = flags.DEFINE_string(
     "arch", None, "export: the family to write (default: the one that holds the model)."
 )
 _DTYPE = flags.DEFINE_string("dtype", "float32", "export: dtype of the written tensors.")
+_MTP = flags.DEFINE_enum(
+    "mtp",
+    "keep",
+    ["keep", "drop"],
+    "import: a DeepSeek checkpoint's MTP layers into model.mtp_depth modules, or left out.",
+)
 _SHARD_GB = flags.DEFINE_float("shard_gb", 5.0, "export: largest shard file, in GiB.")
 flags.register_validator(
     "shard_gb",
@@ -59,7 +66,7 @@ def main(argv: list[str]) -> None:
         else:
             paths.check_input(workdir, "--workdir", "dir")
         if argv[1] == "import":
-            imported = commands.import_hf(hf, workdir, config)
+            imported = commands.import_hf(hf, workdir, config, _MTP.value)
             m = imported.model
             experts = imported.moe.num_experts if m.num_moe_layers else 0
             print(

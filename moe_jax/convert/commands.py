@@ -41,6 +41,9 @@ def get_config():
 '''
 
 
+MTP_CHOICES = ("keep", "drop")
+
+
 def _refuse_used(directory: Path, flag: str) -> None:
     paths.check_output_dir(directory, flag)
     if directory.exists() and any(directory.iterdir()):
@@ -76,11 +79,23 @@ def fresh_state(config: config_lib.Config, params, biases_like) -> TrainState:
     return TrainState(jnp.zeros((), jnp.int32), params, zeros, opt_state, rng)
 
 
-def import_hf(hf_dir: Path, workdir: Path, base: config_lib.Config) -> config_lib.Config:
+def import_hf(
+    hf_dir: Path, workdir: Path, base: config_lib.Config, mtp: str = "keep"
+) -> config_lib.Config:
     """`hf_dir` into `workdir` as a run at step 0 under `base`'s plan and training
-    settings (its model and moe sections come from the checkpoint); returns the config."""
+    settings (its model and moe sections come from the checkpoint); returns the config.
+    `mtp='drop'` leaves a DeepSeek checkpoint's MTP layers out (one line says so)."""
+    if mtp not in MTP_CHOICES:
+        raise ValueError(f"--mtp={mtp!r} is invalid; valid: {list(MTP_CHOICES)}")
     _refuse_used(workdir, "--workdir")
     family, arch, _ = hf_import.read_hf_config(hf_dir)
+    if mtp == "drop" and arch.model.mtp_depth:
+        depth, first = arch.model.mtp_depth, arch.model.num_layers
+        arch = dataclasses.replace(arch, model=dataclasses.replace(arch.model, mtp_depth=0))
+        print(
+            f"--mtp=drop: left out the checkpoint's {depth} MTP layer(s) "
+            f"(model.layers.{first}..{first + depth - 1}); model.mtp_depth=0"
+        )
     keep = {k: getattr(base.model, k) for k in ("dtype", "remat", "attention_impl")}
     model = dataclasses.replace(arch.model, **keep)
     moe = dataclasses.replace(arch.moe, impl=base.moe.impl, tile_size=base.moe.tile_size)
@@ -92,9 +107,14 @@ def import_hf(hf_dir: Path, workdir: Path, base: config_lib.Config) -> config_li
         )
     config, _, _, like = saved_run.placed(config, config.parallel)
     shardings = jax.tree.map(lambda x: x.sharding, like)
-    params = hf_import.load_params(hf_dir, family, config, like.params, shardings.params)
+    params, biases = hf_import.load_trees(
+        hf_dir,
+        family,
+        config,
+        [(like.params, shardings.params), (like.biases, shardings.biases)],
+    )
     start = jax.jit(lambda p: fresh_state(config, p, like.biases), out_shardings=shardings)
-    state = start(params)
+    state = dataclasses.replace(start(params), biases=biases)  # DeepSeek-V3's correction bias
     settings = dataclasses.asdict(config)
     # Written next to the workdir, then moved in whole: a failure leaves nothing behind.
     staging = _staging(workdir)
@@ -142,11 +162,14 @@ def export_hf(
     _refuse_used(hf_dir, "--hf")
     family = families.family_for(saved_run.saved_config(workdir), architecture)
     config, _, _, step, state = saved_run.restore(workdir, parallel)
-    hf_export.check_biases(state.biases)
+    if family.architecture != families.DEEPSEEK[0]:  # V3 writes its correction bias
+        hf_export.check_biases(state.biases)
     tokenizer = _run_tokenizer(config)
     staging = _staging(hf_dir)
     try:
-        shards = hf_export.export(family, config, state.params, staging, dtype, shard_gb)
+        shards = hf_export.export(
+            family, config, state.params, state.biases, staging, dtype, shard_gb
+        )
         if tokenizer is not None:  # the Hugging Face layout: tokenizer.json beside the weights
             shutil.copyfile(tokenizer, staging / TOKENIZER_FILE)
             shards = [*shards, TOKENIZER_FILE]

@@ -74,8 +74,12 @@ FAMILIES = {
         ),
         Family("LlamaForCausalLM", "llama", moe=False),
         Family("Qwen2ForCausalLM", "qwen2", moe=False, fixed_bias=True),
+        # Multi-head latent attention and DeepSeek routing: `moe_jax.convert.deepseek`.
+        Family("DeepseekV3ForCausalLM", "deepseek_v3", moe=True, experts_key="n_routed_experts"),
+        Family("DeepseekV2ForCausalLM", "deepseek_v2", moe=True, experts_key="n_routed_experts"),
     )
 }
+DEEPSEEK = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")
 SUPPORTED = tuple(FAMILIES)
 
 
@@ -85,8 +89,7 @@ def family_of(hf: dict[str, Any], where: str) -> Family:
     if name not in FAMILIES:
         raise Unsupported(
             f"{where}: architecture {name!r} is not supported; supported: {list(SUPPORTED)} "
-            "(DeepSeek's multi-head latent attention, sliding windows and biased output "
-            "projections are not)"
+            "(sliding windows and biased output projections are not)"
         )
     return FAMILIES[name]
 
@@ -111,6 +114,10 @@ def _moe_pattern(layers: int, is_moe: list[bool], where: str) -> tuple[int, int]
 def to_config(hf: dict[str, Any], where: str) -> tuple[Family, Config]:
     """The family and the moe_jax architecture of a `config.json`, or one line."""
     family = family_of(hf, where)
+    if family.architecture in DEEPSEEK:
+        from moe_jax.convert import deepseek
+
+        return family, deepseek.to_config(family.architecture, hf, where)
     if hf.get("hidden_act", "silu") != "silu":
         raise Unsupported(f"{where}: hidden_act={hf['hidden_act']!r} is not supported (silu)")
     if hf.get("use_sliding_window") or (
@@ -171,9 +178,15 @@ def to_config(hf: dict[str, Any], where: str) -> tuple[Family, Config]:
 
 def _holds(family: Family, config: Config) -> list[str]:
     """What of `config` the family cannot hold (empty: it holds it exactly)."""
+    if family.architecture in DEEPSEEK:
+        from moe_jax.convert import deepseek
+
+        return deepseek.problems(family.architecture, config)
     m, e = config.model, config.moe
     moe = m.num_moe_layers > 0
     problems = [
+        (m.attention == "gqa", f"model.attention={m.attention!r}"),
+        (m.mtp_depth == 0, "MTP modules (model.mtp_depth)"),
         (family.moe == moe, "MoE layers" if moe else "no MoE layers"),
         (m.qk_norm == ("head" if family.qk_norm else "none"), f"model.qk_norm={m.qk_norm!r}"),
         (
@@ -220,6 +233,10 @@ def family_for(config: Config, architecture: str | None = None) -> Family:
 
 def to_hf_config(family: Family, config: Config, dtype: str) -> dict[str, Any]:
     """The `config.json` transformers builds `family` from, for `config`."""
+    if family.architecture in DEEPSEEK:
+        from moe_jax.convert import deepseek
+
+        return deepseek.to_hf_config(family.architecture, config, dtype)
     m, e = config.model, config.moe
     hf: dict[str, Any] = {
         "architectures": [family.architecture],
@@ -273,7 +290,7 @@ class Tensors:
     write: Callable[[Any], dict[str, Any]]
 
 
-def _linear(name: str, out_shape: tuple[int, ...], in_shape: tuple[int, ...]) -> Tensors:
+def linear(name: str, out_shape: tuple[int, ...], in_shape: tuple[int, ...]) -> Tensors:
     """A torch Linear weight [out, in] as a moe_jax [*in_shape, *out_shape] matrix."""
     rows, cols = math.prod(out_shape), math.prod(in_shape)
     return Tensors(
@@ -292,7 +309,7 @@ def _vector(name: str, shape: tuple[int, ...]) -> Tensors:
     )
 
 
-def _same(name: str, shape: tuple[int, ...]) -> Tensors:
+def same(name: str, shape: tuple[int, ...]) -> Tensors:
     return Tensors({name: shape}, lambda get: get(name)[...], lambda w: {name: w})
 
 
@@ -300,16 +317,20 @@ def layer_tensors(family: Family, config: Config, layer: int, moe: bool) -> dict
     """moe_jax block parameter (its path inside a block) -> its tensors, for one layer.
     Expert weights are per expert: keys `ffn/gate@e` etc.; the fused layout is
     `fused_expert_tensors`."""
+    if family.architecture in DEEPSEEK:
+        from moe_jax.convert import deepseek
+
+        return deepseek.layer_tensors(config, layer, moe)
     m, e = config.model, config.moe
     d, h, kv, hd = m.embed_dim, m.num_heads, m.num_kv_heads, m.head_dim
     p = f"model.layers.{layer}."
     out = {
-        "attn_norm/scale": _same(p + "input_layernorm.weight", (d,)),
-        "ffn_norm/scale": _same(p + "post_attention_layernorm.weight", (d,)),
-        "attn/query": _linear(p + "self_attn.q_proj.weight", (h, hd), (d,)),
-        "attn/key": _linear(p + "self_attn.k_proj.weight", (kv, hd), (d,)),
-        "attn/value": _linear(p + "self_attn.v_proj.weight", (kv, hd), (d,)),
-        "attn/out": _linear(p + "self_attn.o_proj.weight", (d,), (h, hd)),  # [h, hd, d]
+        "attn_norm/scale": same(p + "input_layernorm.weight", (d,)),
+        "ffn_norm/scale": same(p + "post_attention_layernorm.weight", (d,)),
+        "attn/query": linear(p + "self_attn.q_proj.weight", (h, hd), (d,)),
+        "attn/key": linear(p + "self_attn.k_proj.weight", (kv, hd), (d,)),
+        "attn/value": linear(p + "self_attn.v_proj.weight", (kv, hd), (d,)),
+        "attn/out": linear(p + "self_attn.o_proj.weight", (d,), (h, hd)),  # [h, hd, d]
     }
     projections = (("query", "q", h), ("key", "k", kv), ("value", "v", kv))
     if m.qkv_bias:
@@ -320,22 +341,22 @@ def layer_tensors(family: Family, config: Config, layer: int, moe: bool) -> dict
             shape = (hd,) if m.qk_norm == "head" else (heads, hd)
             out[f"attn/{name}_norm/scale"] = _vector(p + f"self_attn.{short}_norm.weight", shape)
     if not moe:
-        out.update(_mlp(p + "mlp.", "ffn/", d, m.mlp_dim))
+        out.update(mlp(p + "mlp.", "ffn/", d, m.mlp_dim))
         return out
     module = p + family.moe_module + "."
     router = module + "gate.weight"
-    out["ffn/router"] = _linear(router, (e.num_experts,), (d,))
+    out["ffn/router"] = linear(router, (e.num_experts,), (d,))
     gate, up, down = family.expert_names
     f = e.expert_mlp_dim
     for x in range(e.num_experts):
         q = f"{module}experts.{x}."
-        out[f"ffn/gate@{x}"] = _linear(q + gate + ".weight", (f,), (d,))
-        out[f"ffn/up@{x}"] = _linear(q + up + ".weight", (f,), (d,))
-        out[f"ffn/down@{x}"] = _linear(q + down + ".weight", (d,), (f,))
+        out[f"ffn/gate@{x}"] = linear(q + gate + ".weight", (f,), (d,))
+        out[f"ffn/up@{x}"] = linear(q + up + ".weight", (f,), (d,))
+        out[f"ffn/down@{x}"] = linear(q + down + ".weight", (d,), (f,))
     if e.num_shared_experts:
         width = e.num_shared_experts * e.shared_mlp_dim
-        out.update(_mlp(p + "mlp.shared_expert.", "ffn/shared/", d, width))
-        out["ffn/shared/output_gate"] = _linear(p + "mlp.shared_expert_gate.weight", (1,), (d,))
+        out.update(mlp(p + "mlp.shared_expert.", "ffn/shared/", d, width))
+        out["ffn/shared/output_gate"] = linear(p + "mlp.shared_expert_gate.weight", (1,), (d,))
     return out
 
 
@@ -346,7 +367,7 @@ def fused_expert_tensors(config: Config, layer: int) -> dict[str, Tensors]:
     f, n = e.expert_mlp_dim, e.num_experts
     p = f"model.layers.{layer}.mlp."
     gate_up, down = p + "experts.gate_up_proj", p + "experts.down_proj"
-    out = {"ffn/router": _linear(p + "gate.weight", (n,), (d,))}
+    out = {"ffn/router": linear(p + "gate.weight", (n,), (d,))}
     for x in range(n):
         shapes = {gate_up: (n, 2 * f, d)}
         out[f"ffn/gate@{x}"] = Tensors(shapes, lambda get, x=x: get(gate_up)[x, :f].T, None)
@@ -355,22 +376,22 @@ def fused_expert_tensors(config: Config, layer: int) -> dict[str, Tensors]:
     return out
 
 
-def _mlp(prefix: str, path: str, d: int, width: int) -> dict[str, Tensors]:
+def mlp(prefix: str, path: str, d: int, width: int) -> dict[str, Tensors]:
     return {
-        path + "gate": _linear(prefix + "gate_proj.weight", (width,), (d,)),
-        path + "up": _linear(prefix + "up_proj.weight", (width,), (d,)),
-        path + "down": _linear(prefix + "down_proj.weight", (d,), (width,)),
+        path + "gate": linear(prefix + "gate_proj.weight", (width,), (d,)),
+        path + "up": linear(prefix + "up_proj.weight", (width,), (d,)),
+        path + "down": linear(prefix + "down_proj.weight", (d,), (width,)),
     }
 
 
 def global_tensors(config: Config) -> dict[str, Tensors]:
     m = config.model
     out = {
-        "embed/table": _same("model.embed_tokens.weight", (m.vocab_size, m.embed_dim)),
-        "final_norm/scale": _same("model.norm.weight", (m.embed_dim,)),
+        "embed/table": same("model.embed_tokens.weight", (m.vocab_size, m.embed_dim)),
+        "final_norm/scale": same("model.norm.weight", (m.embed_dim,)),
     }
     if not m.tie_embeddings:
-        out["head"] = _linear("lm_head.weight", (m.vocab_size,), (m.embed_dim,))
+        out["head"] = linear("lm_head.weight", (m.vocab_size,), (m.embed_dim,))
     return out
 
 

@@ -19,8 +19,8 @@ from moe_jax.convert.hf_import import param_paths, sources
 from moe_jax.convert.safetensors_files import write_shards
 
 
-def _hf_tensors(family: Family, config: Config, params) -> Iterator[tuple[str, np.ndarray]]:
-    leaves = param_paths(params)
+def _hf_tensors(family: Family, config: Config, params, biases) -> Iterator[tuple[str, np.ndarray]]:
+    leaves = {**param_paths(params), **param_paths(biases)}
     for path, source in sources(family, config, fused=set()).items():
         leaf = leaves[path]
         if isinstance(source, families.Tensors):
@@ -44,9 +44,11 @@ def check_biases(biases) -> None:
             )
 
 
-def export(family: Family, config: Config, params, out: Path, dtype: str, shard_gb: float):
-    """Writes `out`/config.json and the shards; returns the shard file names."""
+def export(family: Family, config: Config, params, biases, out: Path, dtype: str, shard_gb: float):
+    """Writes `out`/config.json and the shards; returns the shard file names. `biases`:
+    the router biases (written by the families that hold one, DeepSeek-V3)."""
     hf = families.to_hf_config(family, config, dtype)
-    shards, _ = write_shards(_hf_tensors(family, config, params), out, int(shard_gb * 2**30), dtype)
+    tensors = _hf_tensors(family, config, params, biases)
+    shards, _ = write_shards(tensors, out, int(shard_gb * 2**30), dtype)
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     return shards

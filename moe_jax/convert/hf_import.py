@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ import jax
 import numpy as np
 
 from moe_jax.config import Config
-from moe_jax.convert import families, fp8
+from moe_jax.convert import deepseek, families, fp8
 from moe_jax.convert.families import Family, Tensors
 from moe_jax.convert.safetensors_files import SafetensorsDir
 
@@ -52,8 +53,12 @@ def read_hf_config(directory: Path) -> tuple[Family, Config, dict[str, Any]]:
 def sources(family: Family, config: Config, fused: set[int]) -> dict[str, Any]:
     """moe_jax parameter path -> its `Tensors`: one for an unstacked parameter, a list
     over units for a stacked one, a list over units of lists over experts for experts.
-    `fused`: the layers whose experts are stored fused."""
+    `fused`: the layers whose experts are stored fused. DeepSeek's also map the router
+    biases (`ffn/bias`) and the MTP modules."""
     out: dict[str, Any] = dict(families.global_tensors(config))
+    if family.architecture in families.DEEPSEEK:
+        out = deepseek.with_mtp_copies(config, out)
+        out.update(deepseek.mtp_tensors(config))
     for layer in range(config.model.num_layers):
         stack, unit, block, moe = config.model.block_of(layer)
         tensors = families.layer_tensors(family, config, layer, moe)
@@ -85,9 +90,15 @@ def param_paths(params) -> dict[str, Any]:
     return flat
 
 
-def check_tensors(stored: dict[str, tuple[int, ...]], wanted: dict[str, Any], where: str):
+def check_tensors(
+    stored: dict[str, tuple[int, ...]],
+    wanted: dict[str, Any],
+    where: str,
+    skipped: Callable[[str], bool] = lambda name: False,
+):
     """One line for the first tensor that is missing, of the wrong shape, or left over
-    (every tensor of the source must be consumed), before anything is read or written."""
+    (every tensor of the source must be consumed, but those `skipped` says hold nothing
+    to read), before anything is read or written."""
     need: dict[str, tuple[int, ...]] = {}
     for tree in wanted.values():
         for t in _all_tensors(tree):
@@ -100,7 +111,11 @@ def check_tensors(stored: dict[str, tuple[int, ...]], wanted: dict[str, Any], wh
             raise ValueError(
                 f"{where}: tensor {name} has shape {list(stored[name])}, expected {list(shape)}"
             )
-    left = sorted(n for n in set(stored) - set(need) if not n.endswith(families.IGNORED_SUFFIXES))
+    left = sorted(
+        n
+        for n in set(stored) - set(need)
+        if not n.endswith(families.IGNORED_SUFFIXES) and not skipped(n)
+    )
     if left:
         raise ValueError(
             f"{where}: tensor {left[0]} is not used by the {len(wanted)} parameters it maps "
@@ -143,21 +158,36 @@ def load_params(directory: Path, family: Family, config: Config, abstract, shard
     nnx.State of shapes) in `shardings`. One line for a missing shard, tensor, a wrong
     shape or a tensor left over, and for FP8 weights without their scales (`fp8`),
     before any tensor is read. Quantised weights are read as their float32 values."""
+    return load_trees(directory, family, config, [(abstract, shardings)])[0]
+
+
+def load_trees(directory: Path, family: Family, config: Config, trees: list) -> list:
+    """`load_params` for several (abstract, shardings) trees: the parameters, every one
+    of which a tensor must hold, then any others (the router biases: DeepSeek-V3's
+    correction bias), whose leaves no tensor holds are zero."""
     path, hf = _config_json(directory)
     stored = SafetensorsDir(directory, fp8.block_size(hf, str(path)))
     wanted = sources(family, config, _fused_layers(stored.shapes, config))
-    leaves, places = param_paths(abstract), param_paths(shardings)
-    unmapped = sorted(set(leaves) - set(wanted))
+    unmapped = sorted(set(param_paths(trees[0][0])) - set(wanted))
     if unmapped:
         raise ValueError(f"{directory}: no tensor maps to parameter {unmapped[0]}")
-    check_tensors(stored.shapes, wanted, str(directory))
+    if family.architecture in families.DEEPSEEK:  # MTP copies, or dropped MTP layers
+        check_tensors(stored.shapes, wanted, str(directory), deepseek.skip(config))
+    else:
+        check_tensors(stored.shapes, wanted, str(directory))
 
     @functools.lru_cache(maxsize=16)  # shards of one parameter share their tensors
     def read(t: Tensors) -> np.ndarray:
         return np.asarray(t.read(stored.get), np.float32)
 
-    placed = {
-        path: _placed(leaf, places[path], wanted[path], read) for path, leaf in leaves.items()
-    }
-    flat = [placed[path] for path in param_paths(abstract)]
-    return jax.tree.unflatten(jax.tree.structure(abstract), flat)
+    def place(leaf, sharding, path: str) -> jax.Array:
+        if path in wanted:
+            return _placed(leaf, sharding, wanted[path], read)
+        return jax.device_put(np.zeros(leaf.shape, leaf.dtype), sharding)
+
+    out = []
+    for abstract, shardings in trees:
+        places = param_paths(shardings)
+        flat = [place(leaf, places[p], p) for p, leaf in param_paths(abstract).items()]
+        out.append(jax.tree.unflatten(jax.tree.structure(abstract), flat))
+    return out

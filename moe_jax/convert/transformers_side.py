@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 # Dimensions are never square and never equal to one another, so a transposed or
 # swapped tensor cannot load: vocab 301, hidden 40, dense width 56, expert width 24,
@@ -39,6 +39,9 @@ COMMON = dict(
     rms_norm_eps=1e-5,
     rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
     tie_word_embeddings=False,
+)
+_MLA = dict(  # every head its own key and value
+    num_key_value_heads=4, kv_lora_rank=14, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=11
 )
 FAMILIES = {
     "MixtralForCausalLM": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=24),
@@ -65,18 +68,56 @@ FAMILIES = {
         head_dim=12, rope_parameters=dict(rope_type="linear", rope_theta=5000.0, factor=2.5)
     ),
     "Qwen2ForCausalLM": dict(tie_word_embeddings=True),
+    # MLA (latents 18 and 14 wide, heads [6 | 4 rotary] for q/k and 11 for v), a dense
+    # first layer, an MTP layer (tensors added by `_add_mtp`; transformers ignores them).
+    "DeepseekV3ForCausalLM": dict(  # with YaRN and 4 groups of 2, 2 kept
+        **_MLA,
+        q_lora_rank=18,
+        rms_norm_eps=1e-6,  # transformers' latent norms always use 1e-6
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=24,
+        n_shared_experts=1,
+        n_group=4,
+        topk_group=2,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        num_nextn_predict_layers=1,
+        max_position_embeddings=256,
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=5000.0,
+            factor=4.0,
+            original_max_position_embeddings=64,
+            mscale=0.9,
+            mscale_all_dim=0.8,
+        ),
+    ),
+    "DeepseekV2ForCausalLM": dict(  # V2-Lite's shape: no query latent, greedy softmax top-k
+        **_MLA,
+        q_lora_rank=None,
+        rms_norm_eps=1e-6,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=24,
+        n_shared_experts=2,
+        topk_method="greedy",
+        first_k_dense_replace=1,
+        routed_scaling_factor=1.5,
+    ),
 }
 TOKENS = (8, 16)  # batch 8: any plan of the 8 test devices splits it
 
 
-def _model(architecture: str):
+def _model(architecture: str, **change):
     cls = getattr(transformers, architecture)
-    config = cls.config_class(**{**COMMON, **FAMILIES[architecture]})
+    config = cls.config_class(**{**COMMON, **FAMILIES[architecture], **change})
     config._attn_implementation = "eager"
-    torch.manual_seed(0)
+    torch.manual_seed(len(change))
     model = cls(config).eval()
     with torch.no_grad():  # norms near 1, biases and every weight random: nothing at init
-        for name, p in model.named_parameters():
+        buffers = [b for b in model.named_buffers() if b[0].endswith("e_score_correction_bias")]
+        for name, p in [*model.named_parameters(), *buffers]:  # DeepSeek-V3's router bias too
             if name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
             else:
@@ -84,13 +125,62 @@ def _model(architecture: str):
     return model
 
 
+def _add_mtp(model, state: dict) -> dict:
+    """DeepSeek-V3's MTP layers (`num_nextn_predict_layers`), which transformers neither
+    builds nor loads, as the released checkpoints store them after the main layers:
+    random norms, eh_proj and a decoder layer (experts per expert), and copies of the
+    embedding and head."""
+    config = model.config
+    depth = getattr(config, "num_nextn_predict_layers", 0) or 0
+    first = config.num_hidden_layers
+    if not depth:
+        return state
+    longer = _model(config.architectures[0], num_hidden_layers=first + depth).state_dict()
+    state = dict(state)
+    d = config.hidden_size
+    for layer in range(first, first + depth):
+        p = f"model.layers.{layer}."
+        for name, value in longer.items():
+            if not name.startswith(p):
+                continue
+            if name.endswith("experts.gate_up_proj"):
+                f = value.shape[1] // 2
+                for e in range(value.shape[0]):
+                    state[f"{p}mlp.experts.{e}.gate_proj.weight"] = value[e, :f].contiguous()
+                    state[f"{p}mlp.experts.{e}.up_proj.weight"] = value[e, f:].contiguous()
+            elif name.endswith("experts.down_proj"):
+                for e in range(value.shape[0]):
+                    state[f"{p}mlp.experts.{e}.down_proj.weight"] = value[e].contiguous()
+            else:
+                state[name] = value.contiguous()
+        for norm in ("enorm", "hnorm", "shared_head.norm"):
+            state[f"{p}{norm}.weight"] = 1.0 + 0.2 * torch.randn(d)
+        state[f"{p}eh_proj.weight"] = 0.15 * torch.randn(d, 2 * d)
+        state[f"{p}embed_tokens.weight"] = state["model.embed_tokens.weight"].clone()
+        state[f"{p}shared_head.head.weight"] = state["lm_head.weight"].clone()
+    return state
+
+
+def _chosen_by_hooks(model):
+    """The top-k experts each DeepSeek router returns, in layer order (hooks on them)."""
+    chosen = []
+    for module in model.modules():
+        if type(module).__name__.endswith("TopkRouter"):
+            module.register_forward_hook(lambda m, i, out: chosen.append(out[2].numpy()))
+    return chosen
+
+
 def _run(model, tokens: np.ndarray) -> dict[str, np.ndarray]:
+    deepseek = model.config.model_type.startswith("deepseek")
+    hooked = _chosen_by_hooks(model) if deepseek else None
     with torch.no_grad():
-        moe = hasattr(model.config, "num_experts_per_tok")
+        moe = hasattr(model.config, "num_experts_per_tok") and not deepseek
         out = model(torch.from_numpy(tokens), output_router_logits=moe)
     result = {"logits": out.logits.float().numpy()}
     router = getattr(out, "router_logits", None)
-    if router:
+    if hooked:
+        result["chosen"] = np.stack(hooked)  # [moe layers, tokens, k]
+    elif router:
         k = model.config.num_experts_per_tok
         chosen = [torch.topk(torch.softmax(r.float(), -1), k, -1).indices.numpy() for r in router]
         result["chosen"] = np.stack(chosen)  # [moe layers, tokens, k]
@@ -105,6 +195,11 @@ def build(architecture: str, out: Path) -> None:
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    mtp = {k: v for k, v in _add_mtp(model, state).items() if k not in state}
+    if mtp:  # into both layouts (per expert in both, as the released checkpoints)
+        shard = out / "hf" / "model.safetensors"
+        save_file({**load_file(str(shard)), **mtp}, str(shard), metadata={"format": "pt"})
+    state.update(mtp)
     save_file(state, str(fused / "model.safetensors"), metadata={"format": "pt"})
     (fused / "config.json").write_text((out / "hf" / "config.json").read_text())
     tokens = np.random.default_rng(1).integers(0, COMMON["vocab_size"], TOKENS).astype(np.int64)
