@@ -220,7 +220,7 @@ def test_parity_holds_under_sp_and_ep_a2a(built, tmp_path, capsys, architecture:
     "damage,message",
     [
         ("architecture", "architecture 'GptOssForCausalLM' is not supported"),
-        ("fp8 without scales", "has no block scales model.layers.1.self_attn.kv_b_proj.weight_"),
+        ("fp8 without scales", "has no block scales model.layers.0.self_attn.kv_b_proj.weight_"),
         ("missing shard", "shard model-00002-of-00002.safetensors named by"),
         ("wrong shape", "tensor model.norm.weight has shape [39], expected [40]"),
         ("unknown tensor", "tensor model.layers.0.mlp.extra.weight is not used"),

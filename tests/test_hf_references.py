@@ -103,3 +103,68 @@ def test_deepseek_routing_matches_transformers_routers(hf_built):
     v3 = json.loads(str(cases["v3_groups"]["config"]))
     with pytest.raises(ValueError, match=r"topk_method='greedy' is not supported"):
         ds.routing_settings({**v3, "topk_method": "greedy"}, ds.V3, "c")
+
+
+# Kimi-K2's published config.json (the fields that matter): DeepSeek-V3's class with
+# other numbers, one group, no MTP layer, YaRN with beta_fast = beta_slow = 1.
+KIMI_K2 = dict(
+    architectures=["DeepseekV3ForCausalLM"],
+    model_type="kimi_k2",
+    vocab_size=163840,
+    hidden_size=7168,
+    intermediate_size=18432,
+    moe_intermediate_size=2048,
+    num_hidden_layers=61,
+    num_nextn_predict_layers=0,
+    num_attention_heads=64,
+    num_key_value_heads=64,
+    n_shared_experts=1,
+    n_routed_experts=384,
+    routed_scaling_factor=2.827,
+    kv_lora_rank=512,
+    q_lora_rank=1536,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    qk_nope_head_dim=128,
+    topk_method="noaux_tc",
+    n_group=1,
+    topk_group=1,
+    num_experts_per_tok=8,
+    moe_layer_freq=1,
+    first_k_dense_replace=1,
+    norm_topk_prob=True,
+    scoring_func="sigmoid",
+    hidden_act="silu",
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-6,
+    rope_theta=50000.0,
+    rope_scaling=dict(
+        type="yarn",
+        factor=32.0,
+        original_max_position_embeddings=4096,
+        beta_fast=1.0,
+        beta_slow=1.0,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+    ),
+    tie_word_embeddings=False,
+)
+
+
+def test_a_kimi_k2_config_reads_as_deepseek_v3_and_writes_back():
+    """Kimi-K2's config.json imports as DeepseekV3ForCausalLM (MLA, 384 experts in one
+    group, one dense layer, YaRN) and the export's config.json states the same."""
+    from moe_jax.convert import families
+
+    family, config = families.to_config(KIMI_K2, "kimi")
+    config_lib.validate(config)
+    m, e = config.model, config.moe
+    assert (m.attention, m.q_lora_rank, m.kv_lora_rank, m.mtp_depth) == ("mla", 1536, 512, 0)
+    assert (e.num_experts, e.top_k, e.n_groups, e.score_fn) == (384, 8, 1, "sigmoid")
+    assert (m.first_k_dense, e.routed_scaling, m.rope_beta_fast) == (1, 2.827, 1.0)
+    assert families.family_for(config) is family
+    written = families.to_hf_config(family, config, "bfloat16")
+    again = families.to_config(written, "export")[1]
+    assert again == config
+    for key in ("n_routed_experts", "routed_scaling_factor", "q_lora_rank", "v_head_dim"):
+        assert written[key] == KIMI_K2[key], key
