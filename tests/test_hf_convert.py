@@ -38,6 +38,8 @@ from tests.commands import run_command
 MOE, DENSE = hf_side.MOE, hf_side.DENSE
 DATA_PARALLEL = config_lib.ParallelConfig()  # all 8 test devices over data
 SP_EP = config_lib.ParallelConfig(attention="sp", experts="ep_a2a", data=2, intra=4)
+TP_ETP = config_lib.ParallelConfig(attention="tp", experts="etp", data=2, intra=4)
+PLANS = {"sp+ep_a2a": SP_EP, "tp+etp": TP_ETP}
 
 pytestmark = hf_side.NEEDS_HF
 _hf = hf_side.run
@@ -199,21 +201,26 @@ def _tensors(directory: Path) -> dict[str, np.ndarray]:
     return {k: v for f in directory.glob("*.safetensors") for k, v in load_file(str(f)).items()}
 
 
-@pytest.mark.parametrize("architecture", MOE)
-def test_parity_holds_under_sp_and_ep_a2a(built, tmp_path, capsys, architecture: str):
+@pytest.mark.parametrize(
+    "architecture,plan",
+    [(a, "sp+ep_a2a") for a in MOE] + [(a, "tp+etp") for a in hf_side.DEEPSEEK],
+)
+def test_parity_holds_under_sp_and_ep_a2a(built, tmp_path, capsys, architecture, plan):
     """Imported straight into the sp + ep_a2a plan (2 data groups of 4) and run there;
-    DeepSeek-V3 with `--mtp=drop`, which leaves its MTP layer out in one line."""
+    the DeepSeek families (heads split after MLA's up-projections) also under tp + etp;
+    DeepSeek-V3 under sp with `--mtp=drop`, which leaves its MTP layer out in one line."""
     source = built(architecture)
     reference = dict(np.load(source / "reference.npz"))
-    drop = architecture == "DeepseekV3ForCausalLM"
-    config = _import(source / "hf", tmp_path / "run", SP_EP, "drop" if drop else "keep")
+    drop = architecture == "DeepseekV3ForCausalLM" and plan == "sp+ep_a2a"
+    parallel = PLANS[plan]
+    config = _import(source / "hf", tmp_path / "run", parallel, "drop" if drop else "keep")
     if drop:
         assert config.model.mtp_depth == 0
         assert capsys.readouterr().out.splitlines() == [
             "--mtp=drop: left out the checkpoint's 1 MTP layer(s) (model.layers.3..3); "
             "model.mtp_depth=0"
         ]
-    _assert_matches(reference, *_outputs(tmp_path / "run", reference["tokens"], SP_EP))
+    _assert_matches(reference, *_outputs(tmp_path / "run", reference["tokens"], parallel))
 
 
 @pytest.mark.parametrize(
