@@ -227,6 +227,7 @@ def test_parity_holds_under_sp_and_ep_a2a(built, tmp_path, capsys, architecture,
     "damage,message",
     [
         ("architecture", "architecture 'GptOssForCausalLM' is not supported"),
+        ("no mtp layer", "model.layers.3 is not stored (transformers saves none): import with"),
         ("fp8 without scales", "has no block scales model.layers.0.self_attn.kv_b_proj.weight_"),
         ("missing shard", "shard model-00002-of-00002.safetensors named by"),
         ("wrong shape", "tensor model.norm.weight has shape [39], expected [40]"),
@@ -252,7 +253,8 @@ def test_bad_checkpoints_are_refused_in_one_line_writing_nothing(
         index["weight_map"] = {k: v for k, v in index["weight_map"].items() if "_scale" not in k}
         (hf / "model.safetensors.index.json").write_text(json.dumps(index))
     else:
-        hf = Path(shutil.copytree(built("MixtralForCausalLM") / "hf_fused", tmp_path / "hf"))
+        arch = "DeepseekV3ForCausalLM" if damage == "no mtp layer" else "MixtralForCausalLM"
+        hf = Path(shutil.copytree(built(arch) / "hf_fused", tmp_path / "hf"))
         tensors = load_file(str(hf / "model.safetensors"))
     if damage == "architecture":
         config = json.loads((hf / "config.json").read_text())
@@ -261,6 +263,9 @@ def test_bad_checkpoints_are_refused_in_one_line_writing_nothing(
         )
     elif damage == "fp8 without scales":
         pass
+    elif damage == "no mtp layer":  # as transformers saves a V3 (config still says 1)
+        tensors = {k: v for k, v in tensors.items() if not k.startswith("model.layers.3.")}
+        save_file(tensors, str(hf / "model.safetensors"), metadata={"format": "pt"})
     elif damage == "no hidden_size":
         config = json.loads((hf / "config.json").read_text())
         del config["hidden_size"]

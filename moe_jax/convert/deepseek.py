@@ -244,7 +244,14 @@ def skip(config: Config) -> Callable[[str], bool]:
     return skipped
 
 
-def dropped_mtp(config: Config, stored: dict[str, Any]) -> int:
-    """How many MTP layers the checkpoint stores beyond the model's `mtp_depth`."""
-    first = config.model.num_layers + config.model.mtp_depth
-    return sum(1 for i in range(first, first + 64) if f"model.layers.{i}.eh_proj.weight" in stored)
+def check_mtp_stored(config: Config, stored: dict[str, Any], where: str) -> None:
+    """One line when the config states MTP layers the checkpoint does not hold (what
+    transformers saves: its classes have none)."""
+    m = config.model
+    for layer in range(m.num_layers, m.num_layers + m.mtp_depth):
+        if f"model.layers.{layer}.eh_proj.weight" not in stored:
+            raise ValueError(
+                f"{where}: num_nextn_predict_layers={m.mtp_depth} but MTP layer "
+                f"model.layers.{layer} is not stored (transformers saves none): import with "
+                "--mtp=drop"
+            )

@@ -172,6 +172,7 @@ def load_trees(directory: Path, family: Family, config: Config, trees: list) -> 
     if unmapped:
         raise ValueError(f"{directory}: no tensor maps to parameter {unmapped[0]}")
     if family.architecture in families.DEEPSEEK:  # MTP copies, or dropped MTP layers
+        deepseek.check_mtp_stored(config, stored.shapes, str(directory))
         check_tensors(stored.shapes, wanted, str(directory), deepseek.skip(config))
     else:
         check_tensors(stored.shapes, wanted, str(directory))
