@@ -23,7 +23,7 @@ from moe_jax.parallel import registry
 from moe_jax.parallel.layout import DATA, INTRA
 from moe_jax.plan import memory_mla
 from moe_jax.plan.comm_volume import DTYPE_BYTES
-from moe_jax.plan.state_arrays import state_bytes, units
+from moe_jax.plan.state_arrays import device_bytes, state_arrays, state_bytes, units
 
 FP32 = 4
 
@@ -294,6 +294,20 @@ def _head_bytes(config: Config, z: _Sizes) -> int:
     return once * (1 + config.model.mtp_depth)  # each MTP module's loss reads the head too
 
 
+def mtp_table_gradient_bytes(config: Config) -> int:
+    """Float32 gradients of the embedding table and the head that each MTP module's
+    lookup and loss make apart from the main ones before they are summed, in the
+    backward's working set: model.mtp_depth x (table + head) as placed (DeepSeek-V3 at
+    full width, 1 MTP module, 64 devices: XLA's temporaries grow by 7.1 GB with the
+    module beyond its weights' gradient and activations; these are 7.4 GB)."""
+    depth = config.model.mtp_depth
+    if not depth:
+        return 0
+    tables = (".params['embed']['table']", ".params['head']")
+    arrays = [a for a in state_arrays(config) if a.path in tables]
+    return depth * sum(device_bytes(config, a) for a in arrays)
+
+
 def mtp_units(config: Config) -> list[tuple[str, int]]:
     """The model.mtp_depth MTP modules as units of one block each (dense or MoE as
     `mtp.is_moe` says): they run after the stack, under model.remat, on the last stage
@@ -396,6 +410,7 @@ def memory_per_device(config: Config, pp: int = 1, micro_batch: int | None = Non
     state = state_bytes(config)
     state["grads"] *= 2 if in_flight > 1 else 1  # the sum and one micro-batch's
     kept, working = stage_activation_bytes(config, stage, True, micro_batch)
+    working += mtp_table_gradient_bytes(config)
     return Memory(**state, activations=kept * min(1, in_flight) + working)
 
 
@@ -440,7 +455,7 @@ def pipeline_activation_bytes(
         "tick_inputs": (micro * repeats + stages - 1) * a,
         "buffer": micro * a,
         "outside": kept_o,
-        "working": max(kept_g + working_g, working_o + head),
+        "working": max(kept_g + working_g, working_o + head + mtp_table_gradient_bytes(config)),
     }
 
 
