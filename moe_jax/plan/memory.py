@@ -415,10 +415,9 @@ def memory_per_device(config: Config, pp: int = 1, micro_batch: int | None = Non
 
 
 def _split_units(config: Config) -> tuple[list, list]:
-    """(the units outside the pipeline: the dense prefix and the MTP modules; the
-    pipelined MoE units)."""
+    """(the units outside the pipeline: the dense prefix; the pipelined MoE units)."""
     every, prefix = units(config), config.model.first_k_dense
-    return every[:prefix] + mtp_units(config), every[prefix:]
+    return every[:prefix], every[prefix:]
 
 
 def pipeline_activation_bytes(
@@ -431,7 +430,8 @@ def pipeline_activation_bytes(
     * tick_inputs: (M R + S - 1) a, every tick's input, kept for its recompute;
     * buffer: M a, stage 0's micro-batch buffer (its cotangent in the backward takes
       the same memory once the forward's is dead);
-    * outside: what the dense prefix keeps for the K = M / S micro-batches each stage
+    * outside: what the dense prefix (and, per micro-batch, the MTP modules) keeps for
+      the K = M / S micro-batches each stage
       runs outside the pipeline (one batch of K b sequences);
     * working: the largest transient: one tick's backward (its group's units recomputed
       under model.remat, then one unit's backward), or the outside part's backward with
@@ -447,6 +447,9 @@ def pipeline_activation_bytes(
     group = piped[: len(piped) // (repeats * stages)]
     kept_g, working_g = stage_activation_bytes(config, group, False, micro_batch)
     kept_o, working_o = stage_activation_bytes(config, outside, False, k * micro_batch)
+    # the MTP modules also run outside, but one micro-batch at a time (`mtp.losses`)
+    kept_m, working_m = stage_activation_bytes(config, mtp_units(config), False, micro_batch)
+    kept_o, working_o = kept_o + k * kept_m, max(working_o, working_m)
     outer = _sizes(config, k * micro_batch)
     # the head's backward holds a loss chunk's float32 logits and their gradient at once
     chunks = loss_chunks(config, outer.b * config.parallel.data, outer.s)
