@@ -63,3 +63,35 @@ def validate(m: Any) -> None:
         )
         if found:
             raise ValueError(found[0])
+
+
+def head_widths(m: Any) -> tuple[int, int]:
+    """(query/key width, value width) of one head: head_dim twice under gqa;
+    qk_nope + qk_rope and v_head_dim under mla."""
+    if m.attention != "mla":
+        return m.head_dim, m.head_dim
+    return m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
+
+
+def shared_weights(m: Any) -> int:
+    """Matmul weights of one attention block that carry no 'heads' axis, so no layout
+    splits them: MLA's down-projections (query_down, kv_down); none under gqa."""
+    if m.attention != "mla":
+        return 0
+    return m.embed_dim * (m.q_lora_rank + m.kv_lora_rank + m.qk_rope_head_dim)
+
+
+def head_weights(m: Any) -> int:
+    """Matmul weights of one attention block split by heads: gqa's q, k, v and out;
+    mla's query (or query_up), kv_up and out."""
+    if m.attention != "mla":
+        return m.embed_dim * m.head_dim * (2 * m.num_heads + 2 * m.num_kv_heads)
+    qk, v = head_widths(m)
+    query = (m.q_lora_rank or m.embed_dim) * m.num_heads * qk
+    kv_up = m.kv_lora_rank * m.num_heads * (m.qk_nope_head_dim + v)
+    return query + kv_up + m.num_heads * v * m.embed_dim
+
+
+def attention_weights(m: Any) -> int:
+    """Every matmul weight of one attention block (what each token multiplies by)."""
+    return shared_weights(m) + head_weights(m)

@@ -10,7 +10,7 @@ import pytest
 
 from tests.bad_inputs import WORKDIR, Case, check, names
 from tests.bad_inputs import case as _c
-from tests.commands import TINY
+from tests.commands import ROOT, TINY
 
 CASES = [
     _c("train_mtp_depth_negative", "train", [*TINY, WORKDIR, "--config.model.mtp_depth=-1"],
@@ -30,6 +30,11 @@ CASES = [
     _c("plan_mtp_depth_past_the_sequence", "plan",
        ["--config.train.seq_len=16", "--config.model.mtp_depth=16"],
        "model.mtp_depth=16 is invalid", "must be < train.seq_len=16"),
+    # DeepSeek-V2-Lite as published (15.7B parameters, 4608 x 4096 tokens a step) on this
+    # machine: refused by the memory check before anything compiles.
+    _c("train_deepseek_v2_lite_on_this_machine", "train",
+       [f"--config={ROOT}/configs/deepseek_v2_lite.py", WORKDIR],
+       "error: the plan needs", "GB per device", "GB are available"),
 ]  # fmt: skip
 
 

@@ -24,7 +24,8 @@ from jax.sharding import PartitionSpec as P
 from moe_jax import config as config_lib
 from moe_jax.config import Config, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
 from moe_jax.plan import comm_volume
-from moe_jax.tools import comm_report, hlo_collectives
+from moe_jax.tools import comm_report, hlo_collectives, lowered_dtypes
+from tests.layouts import MLA, planned, with_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 # LLVM effort only: the HLO, and so every collective, is the same; compiles take half as long.
@@ -371,3 +372,25 @@ def test_mixtral_tiny_layouts_move_what_the_paper_says():
         measured[r["attention"] + "+" + r["experts"]] = a["measured"]
     assert measured["sp+ep_a2a"] <= 0.4 * measured["tp+etp"]
     assert measured["sp+ep_ag"] <= measured["tp+etp"]
+
+
+# Multi-head latent attention under the two layouts of the issue, from the programs
+# tests/test_mla.py compiles for the same plans (tests/layouts.py: one per session).
+# q and k: 8 heads x (6 + 4), v and the output: 8 x 5; sp sends (n-1)/n of each device's
+# t = 16 tokens of each, float32: 3/4 x 16 x 8 x (2 x 10 + 2 x 5) x 4 = 11520 bytes.
+MLA_REPORTED = {
+    "sp+ep_a2a": (with_plan("sp", 2, 4, "ep_a2a", base=MLA), 11520),
+    # tp: the whole group's [64, 32] float32 x gathered in and reduce-scattered out
+    "tp+etp": (with_plan("tp", 2, 4, "etp", base=MLA), 2 * 3 * 16 * 32 * 4),
+}
+
+
+@pytest.mark.parametrize("plan", MLA_REPORTED)
+def test_mla_measured_activation_bytes_match_prediction(plan):
+    config, attention = MLA_REPORTED[plan]
+    run = planned(config)
+    collectives = lowered_dtypes.as_sent(hlo_collectives.parse(run.hlo), run.lowered)
+    a = comm_report.summarize(run.config, collectives)["activation_bytes_per_layer"]
+    assert a["predicted_attention"] == attention
+    exchanged = a["measured"] - a["measured_router_stats"]
+    assert exchanged == pytest.approx(a["predicted"], rel=0.01)

@@ -32,8 +32,16 @@ CONFIG_FILES = sorted(CONFIG_DIR.glob("*.py"))
 #    architecture (no biases) we count 341,290,487,808, 3.0% under 352B; the gap,
 #    ~10.6B = 60 layers x 176M, is one more 3 x 4096 x 14336 expert per layer (e.g. an
 #    unlisted shared expert would give 351.86B), hence the 5% tolerance.
+#  * DeepSeek-V3: arXiv:2412.19437: 671B total, 37B activated, the MTP module apart
+#    (HF's 685B holds it: 14B with its own copies of embedding and head). We count
+#    671,026,404,352 / 37,551,755,264 without it, and 11,610,067,968 in the module.
+#  * DeepSeek-V2-Lite: arXiv:2405.04434 and the model card: 15.7B total, 2.4B activated.
+#    We count 15,706,484,224 / 2,661,150,208; DeepSeek's 2.4B leaves out the embedding
+#    table (2,661,150,208 - 102400 x 2048 = 2.45B), hence no active figure here.
 PUBLISHED = [
     pytest.param("mixtral_8x7b", 46.7e9, 12.9e9, 0.02, id="mixtral_8x7b"),
+    pytest.param("deepseek_v3_671b", 671e9, 37e9, 0.02, id="deepseek_v3_671b"),
+    pytest.param("deepseek_v2_lite", 15.7e9, None, 0.02, id="deepseek_v2_lite"),
     pytest.param("deepseek_moe_16b", 16.4e9, 2.8e9, 0.02, id="deepseek_moe_16b"),
     pytest.param("megascale_352b", 352e9, None, 0.05, id="megascale_352b"),
 ]
@@ -63,12 +71,15 @@ def _abstract_model(cfg: Config) -> Transformer:
 
 
 def count_params(cfg: Config, model: Transformer) -> tuple[int, int]:
-    """(total, active per token): all Param sizes; active drops the unchosen experts'
-    share (E - top_k) / E of the routed expert weights."""
+    """(total, active per token): all Param sizes but the MTP modules' (which published
+    counts leave out); active drops the unchosen experts' share (E - top_k) / E of the
+    routed expert weights."""
     params = nnx.state(model, nnx.Param)
-    total = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    leaves = [(p, x) for p, x in leaves if "mtp" not in jax.tree_util.keystr(p)]
+    total = sum(math.prod(x.shape) for _, x in leaves)
     routed = 0
-    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+    for path, leaf in leaves:
         keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
         # Routed expert weights sit directly under an MoE ffn (not under its shared MLP)
         # and carry an experts axis, [layers, E, ., .]; dense MLP weights are 3-D.

@@ -160,8 +160,8 @@ def _xla(config):
 PLANS = {
     "dp_xla": _xla(with_plan("dp", 2, 4, base=MLA)),
     "fsdp": with_plan("fsdp", 8, 1, base=MLA),
-    "tp": with_plan("tp", 2, 4, base=MLA),
-    "sp": with_plan("sp", 2, 4, base=MLA),
+    "tp": with_plan("tp", 2, 4, "etp", base=MLA),  # also tests/test_comm_report.py's
+    "sp": with_plan("sp", 2, 4, "ep_a2a", base=MLA),
     "tp_ring": _with(with_plan("tp", 2, 4, base=MLA), collective_matmul=True),
     "sp_ring_chunks": _with(
         with_plan("sp", 2, 4, base=MLA), collective_matmul=True, overlap_chunks=2

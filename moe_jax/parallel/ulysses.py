@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from moe_jax.config_attention import head_widths
 from moe_jax.model import remat
 from moe_jax.model.layers import cast_like
 from moe_jax.parallel import checks
@@ -133,8 +134,14 @@ def _problems(config) -> list[str]:
 def exchanged_bytes(config, s: Sizes) -> Fraction:
     """q, k, v to head shards and the output back: (n-1)/n of each device's
     [t, width] buffers, the kv heads repeated up to n (FP8 tokens: 1 byte an element
-    plus a float32 scale per head and 128 channels)."""
+    plus a float32 scale per head and 128 channels). Under MLA every head has its own
+    key and value: q and k are h·(qk_nope + qk_rope) wide, v and the output h·v_head_dim."""
     m = config.model
+    if m.attention == "mla":
+        qk, v = head_widths(m)
+        token = config.parallel.token_dtype
+        qk_bytes = 2 * m.num_heads * qk * wire_bytes(qk, token, s.B)
+        return s.f * s.t * (qk_bytes + 2 * m.num_heads * v * wire_bytes(v, token, s.B))
     q_width = m.num_heads * m.head_dim
     kv_heads = m.num_kv_heads if m.num_kv_heads >= s.n else s.n
     element = wire_bytes(m.head_dim, config.parallel.token_dtype, s.B)

@@ -67,6 +67,7 @@ import functools
 
 from moe_jax.config import Config, ParallelConfig
 from moe_jax.flops import flops_per_token
+from moe_jax.model.mtp import is_moe
 from moe_jax.parallel import registry
 from moe_jax.parallel.layout import DATA, INTRA
 from moe_jax.plan import comm_volume, state_arrays
@@ -394,8 +395,25 @@ class CostModel(BlockCosts, Schedules, GradSync):
         return [Exchange("attention_exchange", sent, p.intra, 2, self.intra)]
 
     def head(self) -> Tally:
-        """Output head and loss of one micro-batch (outside remat)."""
+        """Output head and loss of one micro-batch (outside remat), and the model.mtp_depth
+        multi-token-prediction modules that follow it (`mtp`)."""
         tally = self._pass(self.head_ops(), self.head_exchanges(), backward=False)
+        tally.add(self._pass(self.head_ops(), self.head_exchanges(), backward=True))
+        for depth in range(1, self.config.model.mtp_depth + 1):
+            tally.add(self.mtp(depth))
+        return tally
+
+    def mtp(self, depth: int) -> Tally:
+        """MTP module `depth` of one micro-batch: eh_proj [2d, d] on each device's tokens,
+        its block (dense or MoE, as `mtp.is_moe`), and the shared head and loss once more.
+        Every stage holds the modules and runs them after the stack, as it does the head."""
+        m, t, B = self.config.model, self.t, self.B
+        h = m.embed_dim
+        proj = [Op("dense_gemm", "gemm", 4 * t * h * h, 2 * h * h * B + 3 * t * h * B)]
+        tally = self._pass(proj, [], backward=False)
+        tally.add(self._pass(proj, [], backward=True))
+        tally.add(self.layer(is_moe(m, depth)))
+        tally.add(self._pass(self.head_ops(), self.head_exchanges(), backward=False))
         tally.add(self._pass(self.head_ops(), self.head_exchanges(), backward=True))
         return tally
 

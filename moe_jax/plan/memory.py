@@ -17,11 +17,13 @@ import dataclasses
 
 from moe_jax.config import Config, MoEConfig
 from moe_jax.model.loss import loss_chunks
+from moe_jax.model.mtp import is_moe
 from moe_jax.moe.experts import resolve_impl
 from moe_jax.parallel import registry
 from moe_jax.parallel.layout import DATA, INTRA
+from moe_jax.plan import memory_mla
 from moe_jax.plan.comm_volume import DTYPE_BYTES
-from moe_jax.plan.state_arrays import state_bytes, units
+from moe_jax.plan.state_arrays import device_bytes, state_arrays, state_bytes, units
 
 FP32 = 4
 
@@ -76,8 +78,10 @@ def _sizes(config: Config, micro_batch: int | None) -> _Sizes:
 
 
 def _attention_terms(config: Config, z: _Sizes) -> dict[str, int]:
-    """Stored by one attention block (with its norm)."""
+    """Stored by one attention block (with its norm); MLA's in `memory_mla`."""
     m, spec = config.model, registry.attention_spec(config)
+    if m.attention == "mla":
+        return memory_mla.attention_terms(config, z)
     a, kv, hd, n = m.num_heads, m.num_kv_heads, m.head_dim, z.n
     if not spec.heads_split:
         seqs, heads, kv_heads, proj_tokens, out_width = z.b // n, a, kv, z.t, a
@@ -286,7 +290,30 @@ def _head_bytes(config: Config, z: _Sizes) -> int:
     (C = the loss's chunks; C = 1: all of them) plus the labels."""
     chunks = loss_chunks(config, z.b * config.parallel.data, z.s)  # the whole micro-batch
     logits = z.t * config.model.vocab_size * 4 // chunks
-    return z.t * (2 * z.h + 2) * FP32 + z.t * z.h * z.B + logits + z.t * 3 * 4
+    once = z.t * (2 * z.h + 2) * FP32 + z.t * z.h * z.B + logits + z.t * 3 * 4
+    return once * (1 + config.model.mtp_depth)  # each MTP module's loss reads the head too
+
+
+def mtp_table_gradient_bytes(config: Config) -> int:
+    """Float32 gradients of the embedding table and the head that each MTP module's
+    lookup and loss make apart from the main ones before they are summed, in the
+    backward's working set: model.mtp_depth x (table + head) as placed (DeepSeek-V3 at
+    full width, 1 MTP module, 64 devices: XLA's temporaries grow by 7.1 GB with the
+    module beyond its weights' gradient and activations; these are 7.4 GB)."""
+    depth = config.model.mtp_depth
+    if not depth:
+        return 0
+    tables = (".params['embed']['table']", ".params['head']")
+    arrays = [a for a in state_arrays(config) if a.path in tables]
+    return depth * sum(device_bytes(config, a) for a in arrays)
+
+
+def mtp_units(config: Config) -> list[tuple[str, int]]:
+    """The model.mtp_depth MTP modules as units of one block each (dense or MoE as
+    `mtp.is_moe` says): they run after the stack, under model.remat, on the last stage
+    (under the trainer's pipeline, outside it, as the dense prefix and the head)."""
+    m = config.model
+    return [("moe" if is_moe(m, k) else "dense", 1) for k in range(1, m.mtp_depth + 1)]
 
 
 def selective_block_bytes(config: Config, moe: bool, micro_batch: int | None = None) -> int:
@@ -299,6 +326,7 @@ def selective_block_bytes(config: Config, moe: bool, micro_batch: int | None = N
     terms = block_activation_bytes(config, moe, micro_batch)
     flash = config.model.attention_impl != "xla"  # the xla core is recomputed whole
     kept = 2 * z.t * z.h * z.B + terms["qkv"] + terms["attention_out"]
+    kept += memory_mla.latent_bytes(config, z) if config.model.attention == "mla" else 0
     kept += terms["scores"] if flash else 0
     kept += sum(terms.get(k, 0) for k in ("mlp_hidden", "shared_mlp_hidden")) // 3
     if moe:
@@ -378,17 +406,18 @@ def memory_per_device(config: Config, pp: int = 1, micro_batch: int | None = Non
     if config.parallel.stages > 1:
         return _pipeline_memory(config, config.parallel.stages, micro_batch)
     in_flight = micro_batches(config, micro_batch)
-    stage = units(config)
+    stage = units(config) + mtp_units(config)
     state = state_bytes(config)
     state["grads"] *= 2 if in_flight > 1 else 1  # the sum and one micro-batch's
     kept, working = stage_activation_bytes(config, stage, True, micro_batch)
+    working += mtp_table_gradient_bytes(config)
     return Memory(**state, activations=kept * min(1, in_flight) + working)
 
 
 def _split_units(config: Config) -> tuple[list, list]:
     """(the units outside the pipeline: the dense prefix; the pipelined MoE units)."""
-    every = units(config)
-    return every[: config.model.first_k_dense], every[config.model.first_k_dense :]
+    every, prefix = units(config), config.model.first_k_dense
+    return every[:prefix], every[prefix:]
 
 
 def pipeline_activation_bytes(
@@ -401,7 +430,8 @@ def pipeline_activation_bytes(
     * tick_inputs: (M R + S - 1) a, every tick's input, kept for its recompute;
     * buffer: M a, stage 0's micro-batch buffer (its cotangent in the backward takes
       the same memory once the forward's is dead);
-    * outside: what the dense prefix keeps for the K = M / S micro-batches each stage
+    * outside: what the dense prefix (and, per micro-batch, the MTP modules) keeps for
+      the K = M / S micro-batches each stage
       runs outside the pipeline (one batch of K b sequences);
     * working: the largest transient: one tick's backward (its group's units recomputed
       under model.remat, then one unit's backward), or the outside part's backward with
@@ -417,6 +447,9 @@ def pipeline_activation_bytes(
     group = piped[: len(piped) // (repeats * stages)]
     kept_g, working_g = stage_activation_bytes(config, group, False, micro_batch)
     kept_o, working_o = stage_activation_bytes(config, outside, False, k * micro_batch)
+    # the MTP modules also run outside, but one micro-batch at a time (`mtp.losses`)
+    kept_m, working_m = stage_activation_bytes(config, mtp_units(config), False, micro_batch)
+    kept_o, working_o = kept_o + k * kept_m, max(working_o, working_m)
     outer = _sizes(config, k * micro_batch)
     # the head's backward holds a loss chunk's float32 logits and their gradient at once
     chunks = loss_chunks(config, outer.b * config.parallel.data, outer.s)
@@ -425,7 +458,7 @@ def pipeline_activation_bytes(
         "tick_inputs": (micro * repeats + stages - 1) * a,
         "buffer": micro * a,
         "outside": kept_o,
-        "working": max(kept_g + working_g, working_o + head),
+        "working": max(kept_g + working_g, working_o + head + mtp_table_gradient_bytes(config)),
     }
 
 

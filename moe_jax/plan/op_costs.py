@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from moe_jax import config_attention
 from moe_jax.parallel import registry
 from moe_jax.parallel.layout import DATA
 from moe_jax.plan.paper_modes import PAPER_OVERLAP
@@ -172,6 +173,8 @@ class BlockCosts:
 
     def attention_ops(self) -> list[Op]:
         m, t, B = self.config.model, self.t, self.B
+        if m.attention == "mla":
+            return self._mla_ops()
         h, hd, heads, kv = m.embed_dim, m.head_dim, m.num_heads, m.num_kv_heads
         weights = h * hd * (2 * heads + 2 * kv)
         split = self._intra_split
@@ -189,6 +192,35 @@ class BlockCosts:
             ),
             Op("attention_core", "attention", 4 * t * context * heads * hd, qkvo),
             Op("elementwise", "memory", 0.0, t * (5 * h + 2 * (heads + kv) * hd) * B),
+            *self._fp8_casts(qkvo / B if self.attention_spec.compresses_tokens else 0),
+        ]
+
+    def _mla_ops(self) -> list[Op]:
+        """MLA: the down-projections carry no heads, so a layout that splits heads (tp)
+        runs them whole on each device's rows (tp: the gathered group's); the per-head
+        up-projections and `out` split as GQA's projections do. The core reads q and k
+        qk = nope + rope wide and v v_head_dim wide, for every head."""
+        m, t, B = self.config.model, self.t, self.B
+        h, heads, split, rows = m.embed_dim, m.num_heads, self._intra_split, self._rows()
+        qk, v = config_attention.head_widths(m)
+        down, per_head = config_attention.shared_weights(m), config_attention.head_weights(m)
+        latent = m.q_lora_rank + m.kv_lora_rank + m.qk_rope_head_dim
+        down_rows = rows if split > 1 else t  # tp: every device projects the gathered rows
+        context = (self.config.train.seq_len + 1) / 2
+        qkvo = t * heads * (2 * qk + 2 * v) * B
+        query_in = m.q_lora_rank or h
+        shapes = (
+            (down_rows, latent, h),
+            (rows, heads * qk / split, query_in),
+            (rows, heads * (m.qk_nope_head_dim + v) / split, m.kv_lora_rank),
+            (rows, h, heads * v / split),
+        )
+        flops = 2 * down_rows * down + 2 * t * per_head
+        io = down * B + per_head * B / split + qkvo + 2 * t * h * B + 2 * down_rows * latent * B
+        return [
+            Op("dense_gemm", "gemm", flops, io, shapes),
+            Op("attention_core", "attention", 2 * t * context * heads * (qk + v), qkvo),
+            Op("elementwise", "memory", 0.0, t * (5 * h + 4 * heads * qk) * B),
             *self._fp8_casts(qkvo / B if self.attention_spec.compresses_tokens else 0),
         ]
 
@@ -292,11 +324,7 @@ class BlockCosts:
                 )
             )
         if spec.weights_over == DATA:
-            out.append(
-                self._weight_gather(
-                    m.embed_dim * m.head_dim * (2 * m.num_heads + 2 * m.num_kv_heads)
-                )
-            )
+            out.append(self._weight_gather(config_attention.head_weights(m)))
         return out
 
     def mlp_exchanges(self) -> list[Exchange]:

@@ -8,6 +8,7 @@ step at one stage, and the 1F1B of the paper's systems (`PAPER_SCHEDULE`) at mor
 
 from __future__ import annotations
 
+from moe_jax.model.mtp import is_moe
 from moe_jax.plan.op_costs import Tally, collective_time
 
 
@@ -29,8 +30,15 @@ class Schedules:
         out = []
         for s, layers in enumerate(self.stage_layers()):
             ends = (s == 0) + (s == p.parallel.stages - 1 and not m.tie_embeddings)
-            out.append(sum(self.layer_params(is_moe[i]) for i in layers) + ends * table)
+            last = self.mtp_params() if s == p.parallel.stages - 1 else 0.0
+            out.append(sum(self.layer_params(is_moe[i]) for i in layers) + ends * table + last)
         return out
+
+    def mtp_params(self) -> float:
+        """Parameters of the model.mtp_depth MTP modules on one device (their blocks;
+        eh_proj and norms are small), held by every stage that runs them."""
+        m = self.config.model
+        return sum(self.layer_params(is_moe(m, k)) for k in range(1, m.mtp_depth + 1))
 
     def stage_layers(self) -> list[range]:
         """Layers of each stage: the model cut into pp contiguous, near-equal parts."""
@@ -113,10 +121,11 @@ class Schedules:
 
     def outside_params(self) -> float:
         """Parameters every stage holds whole: the embedding, the head (untied) and the
-        dense prefix."""
+        dense prefix and the MTP modules."""
         m = self.config.model
         tables = 1 + (not m.tie_embeddings)
-        return tables * self.table_params() + m.first_k_dense * self.layer_params(False)
+        prefix = m.first_k_dense * self.layer_params(False)
+        return tables * self.table_params() + prefix + self.mtp_params()
 
     def send_s(self, tokens: float) -> float:
         """One collective-permute of `tokens` tokens' hidden states between two stages."""
