@@ -39,7 +39,7 @@ CASES = [
 
 
 def test_the_cases_are_named_once():
-    assert len(set(names(CASES))) == len(CASES) == 6
+    assert len(set(names(CASES))) == len(CASES) == 7
 
 
 @pytest.mark.parametrize("case", CASES, ids=names(CASES))

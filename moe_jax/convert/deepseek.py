@@ -26,8 +26,8 @@ import numpy as np
 
 from moe_jax.config import Config, ModelConfig, MoEConfig
 from moe_jax.convert import deepseek_routing as routing
-from moe_jax.convert.families import Tensors, Unsupported, linear, mlp, same
 from moe_jax.convert.hf_rope import rope_config_keys, rope_settings
+from moe_jax.convert.tensors import Tensors, Unsupported, linear, mlp, same
 from moe_jax.model import mtp
 
 V3, V2 = routing.V3, routing.V2

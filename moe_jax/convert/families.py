@@ -10,16 +10,12 @@ one `Family`; what differs between them is its names and its `config.json` keys.
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Callable
 from typing import Any
 
 from moe_jax.config import Config, ModelConfig, MoEConfig
+from moe_jax.convert import deepseek
 from moe_jax.convert.hf_rope import rope_config_keys, rope_settings
-
-
-class Unsupported(ValueError):
-    """A checkpoint or model that a family cannot hold (one line)."""
+from moe_jax.convert.tensors import Tensors, Unsupported, linear, mlp, same, vector
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,8 +111,6 @@ def to_config(hf: dict[str, Any], where: str) -> tuple[Family, Config]:
     """The family and the moe_jax architecture of a `config.json`, or one line."""
     family = family_of(hf, where)
     if family.architecture in DEEPSEEK:
-        from moe_jax.convert import deepseek
-
         return family, deepseek.to_config(family.architecture, hf, where)
     if hf.get("hidden_act", "silu") != "silu":
         raise Unsupported(f"{where}: hidden_act={hf['hidden_act']!r} is not supported (silu)")
@@ -179,8 +173,6 @@ def to_config(hf: dict[str, Any], where: str) -> tuple[Family, Config]:
 def _holds(family: Family, config: Config) -> list[str]:
     """What of `config` the family cannot hold (empty: it holds it exactly)."""
     if family.architecture in DEEPSEEK:
-        from moe_jax.convert import deepseek
-
         return deepseek.problems(family.architecture, config)
     m, e = config.model, config.moe
     moe = m.num_moe_layers > 0
@@ -234,8 +226,6 @@ def family_for(config: Config, architecture: str | None = None) -> Family:
 def to_hf_config(family: Family, config: Config, dtype: str) -> dict[str, Any]:
     """The `config.json` transformers builds `family` from, for `config`."""
     if family.architecture in DEEPSEEK:
-        from moe_jax.convert import deepseek
-
         return deepseek.to_hf_config(family.architecture, config, dtype)
     m, e = config.model, config.moe
     hf: dict[str, Any] = {
@@ -278,48 +268,12 @@ def to_hf_config(family: Family, config: Config, dtype: str) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- tensor names
 
-# A parameter's tensors: HF name -> its shape, and the two conversions between them:
-# `read(tensors)` -> the moe_jax array; `write(array)` -> {HF name: tensor}.
-Read = Callable[[Callable[[str], Any]], Any]
-
-
-@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: a cache key
-class Tensors:
-    shapes: dict[str, tuple[int, ...]]
-    read: Read  # (name -> numpy array, or a lazy slice of it) -> moe_jax array
-    write: Callable[[Any], dict[str, Any]]
-
-
-def linear(name: str, out_shape: tuple[int, ...], in_shape: tuple[int, ...]) -> Tensors:
-    """A torch Linear weight [out, in] as a moe_jax [*in_shape, *out_shape] matrix."""
-    rows, cols = math.prod(out_shape), math.prod(in_shape)
-    return Tensors(
-        {name: (rows, cols)},
-        lambda get: get(name)[...].T.reshape(*in_shape, *out_shape),
-        lambda w: {name: w.reshape(cols, rows).T},
-    )
-
-
-def _vector(name: str, shape: tuple[int, ...]) -> Tensors:
-    size = math.prod(shape)
-    return Tensors(
-        {name: (size,)},
-        lambda get: get(name)[...].reshape(shape),
-        lambda w: {name: w.reshape(size)},
-    )
-
-
-def same(name: str, shape: tuple[int, ...]) -> Tensors:
-    return Tensors({name: shape}, lambda get: get(name)[...], lambda w: {name: w})
-
 
 def layer_tensors(family: Family, config: Config, layer: int, moe: bool) -> dict[str, Tensors]:
     """moe_jax block parameter (its path inside a block) -> its tensors, for one layer.
     Expert weights are per expert: keys `ffn/gate@e` etc.; the fused layout is
     `fused_expert_tensors`."""
     if family.architecture in DEEPSEEK:
-        from moe_jax.convert import deepseek
-
         return deepseek.layer_tensors(config, layer, moe)
     m, e = config.model, config.moe
     d, h, kv, hd = m.embed_dim, m.num_heads, m.num_kv_heads, m.head_dim
@@ -335,11 +289,11 @@ def layer_tensors(family: Family, config: Config, layer: int, moe: bool) -> dict
     projections = (("query", "q", h), ("key", "k", kv), ("value", "v", kv))
     if m.qkv_bias:
         for name, short, heads in projections:
-            out[f"attn/{name}_bias"] = _vector(p + f"self_attn.{short}_proj.bias", (heads, hd))
+            out[f"attn/{name}_bias"] = vector(p + f"self_attn.{short}_proj.bias", (heads, hd))
     if m.qk_norm != "none":
         for name, short, heads in projections[:2]:
             shape = (hd,) if m.qk_norm == "head" else (heads, hd)
-            out[f"attn/{name}_norm/scale"] = _vector(p + f"self_attn.{short}_norm.weight", shape)
+            out[f"attn/{name}_norm/scale"] = vector(p + f"self_attn.{short}_norm.weight", shape)
     if not moe:
         out.update(mlp(p + "mlp.", "ffn/", d, m.mlp_dim))
         return out
@@ -374,14 +328,6 @@ def fused_expert_tensors(config: Config, layer: int) -> dict[str, Tensors]:
         out[f"ffn/up@{x}"] = Tensors(shapes, lambda get, x=x: get(gate_up)[x, f:].T, None)
         out[f"ffn/down@{x}"] = Tensors({down: (n, d, f)}, lambda get, x=x: get(down)[x].T, None)
     return out
-
-
-def mlp(prefix: str, path: str, d: int, width: int) -> dict[str, Tensors]:
-    return {
-        path + "gate": linear(prefix + "gate_proj.weight", (width,), (d,)),
-        path + "up": linear(prefix + "up_proj.weight", (width,), (d,)),
-        path + "down": linear(prefix + "down_proj.weight", (d,), (width,)),
-    }
 
 
 def global_tensors(config: Config) -> dict[str, Tensors]:
