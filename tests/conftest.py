@@ -1,6 +1,7 @@
 """Test setup: 8 forced CPU devices (for sharding tests) and the tests' compile flags
 (`tests.commands.COMPILE_FLAGS`) before jax is imported."""
 
+import gc
 import os
 import tempfile
 import time
@@ -15,6 +16,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # training subprocesses it starts (many tests compile the same tiny model).
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="moe_jax_jit_"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+# Tracing a train step makes millions of short-lived Python objects; at the default
+# threshold (700 allocations) the cyclic collector takes ~20% of the tracing time
+# (test_overlap.py: 130 s -> 123 s without it). Nothing here measures Python's memory.
+gc.set_threshold(100_000, 50, 100)
 
 
 # The files that take minutes, longest first (by their summed durations in CI):

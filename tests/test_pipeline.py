@@ -37,9 +37,11 @@ from tests.layouts import (
 )
 from tests.pipelined import MODEL, one_device, pipeline_trip_counts, pipelined
 
-# (stage, data, intra) meshes with M = S and 2S; R = 2 on the last.
-MESHES = [(2, 1, 4, 1), (2, 2, 2, 1), (4, 2, 1, 1), (2, 1, 4, 2)]
-CASES = [(*mesh, s * f, "sp", "ep_a2a") for mesh in MESHES for f in (1, 2) for s in mesh[:1]]
+# (stage, data, intra, repeats) meshes with M = S micro-batches, and also M = 2 S on two
+# of them (one of 2 stages, one of 4); R = 2 on the last.
+MESHES = [((2, 1, 4, 1), (1, 2)), ((2, 2, 2, 1), (1,)), ((4, 2, 1, 1), (1, 2))]
+MESHES += [((2, 1, 4, 2), (1,))]
+CASES = [(*mesh, mesh[0] * f, "sp", "ep_a2a") for mesh, factors in MESHES for f in factors]
 CASES += [(2, 2, 2, 1, 4, "tp", "etp"), (2, 1, 4, 2, 2, "tp", "etp"), (4, 2, 1, 1, 4, "tp", "etp")]
 
 

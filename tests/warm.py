@@ -50,10 +50,12 @@ COMMAND_MODULES = (
 
 SERVER = textwrap.dedent(
     """
-    import atexit, json, os, runpy, sys, traceback
+    import atexit, gc, json, os, runpy, sys, traceback
     preload, commands = json.loads(sys.argv[1])
     for name in preload:
         __import__(name)
+    gc.freeze()  # the preloaded modules: never scanned (or copied) by a forked child
+    gc.set_threshold(100_000, 50, 100)  # as tests/conftest.py sets it, for tracing
     loaded = [name for name in commands if name in sys.modules]
     assert not loaded, f"preloading imported the commands {loaded}"
 
