@@ -185,6 +185,7 @@ class DataConfig:
     source: str = "stdlib"  # stdlib (embedded corpus), tokens (prepared files) or synthetic
     path: str = ""  # directory written by `python -m moe_jax.data.prepare` (source=tokens)
     val_fraction: float = 0.05  # share of stdlib files held out for validation
+    verify: bool = False  # check every shard's SHA-256 against meta.json at start (tokens)
 
 
 @dataclasses.dataclass(frozen=True)

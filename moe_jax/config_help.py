@@ -163,6 +163,10 @@ MEANINGS: dict[str, str] = {
         "(refused with any other source, which would ignore it)"
     ),
     "data.val_fraction": "share of stdlib files held out for validation",
+    "data.verify": (
+        "with `source=tokens`: check every shard's SHA-256 against meta.json at start (reads "
+        "the whole corpus once); a mismatch stops the run in one line naming the shard"
+    ),
     "parallel.layout": (
         "`manual`: the settings below; `auto`: the planner (`python -m moe_jax.plan`) chooses "
         "attention, experts, intra, data, zero, etp, overlap and pipeline for the devices at hand"

@@ -122,6 +122,12 @@ def check_meaningful(config: Config) -> None:
         "--config.data.source=tokens, or clear it with --config.data.path=",
     )
     check(
+        not d.verify or d.source == "tokens",
+        "data.verify",
+        d.verify,
+        f"only prepared token files have checksums (data.source={d.source!r} here)",
+    )
+    check(
         p.stages > 1 or p.microbatches == 1 or p.layout == "auto",
         "parallel.microbatches",
         p.microbatches,

@@ -201,12 +201,12 @@ def test_missing_data_path(tmp_path):
 
 
 def test_corrupt_bin_is_refused(prepared):
-    with (prepared / "train.bin").open("ab") as f:
+    with (prepared / "train-00000.bin").open("ab") as f:
         f.write(b"\x00")
-    size = (prepared / "train.bin").stat().st_size
+    size = (prepared / "train-00000.bin").stat().st_size
     with pytest.raises(ValueError) as excinfo:
         token_files.open_split(prepared, "train")
-    one_line_error(excinfo, "train.bin", f"{size} bytes", "uint16's 2")
+    one_line_error(excinfo, "train-00000.bin", f"{size} bytes", "uint16's 2")
 
 
 def test_meta_token_count_mismatch_is_refused(prepared):
@@ -216,7 +216,7 @@ def test_meta_token_count_mismatch_is_refused(prepared):
     config = make_config({"data.source": "tokens", "data.path": str(prepared)})
     with pytest.raises(ValueError) as excinfo:
         pipeline.make_iterator(config, "val")
-    one_line_error(excinfo, "val.bin", str(meta["splits"]["val"]["num_tokens"]))
+    one_line_error(excinfo, "val-00000.bin", str(meta["splits"]["val"]["num_tokens"]))
 
 
 @pytest.mark.parametrize(
@@ -423,7 +423,7 @@ def test_a_signal_during_prepare_leaves_nothing(tmp_path, monkeypatch, capsys, s
     real_write_meta = prepare.write_meta
 
     def signalled(directory, meta):
-        assert {p.name for p in directory.iterdir()} >= {"train.bin", "tokenizer.json"}
+        assert {p.name for p in directory.iterdir()} >= {"train-00000.bin", "tokenizer.json"}
         os.kill(os.getpid(), signum)
         return real_write_meta(directory, meta)
 

@@ -19,7 +19,14 @@ import numpy as np
 from moe_jax.config import Config, DataConfig
 from moe_jax.data.corpus import stdlib_documents
 from moe_jax.data.synthetic import recurrence_tokens
-from moe_jax.data.token_files import max_id, open_split, read_meta
+from moe_jax.data.token_files import (
+    META,
+    max_id,
+    open_split,
+    read_meta,
+    split_files,
+    verify_split,
+)
 from moe_jax.data.tokenizer import ByteTokenizer
 
 _READ_OPTIONS = grain.ReadOptions(num_threads=2, prefetch_buffer_size=4)
@@ -53,6 +60,8 @@ def token_stream(data_cfg: DataConfig, split: str, vocab_size: int) -> tuple[np.
         return _stdlib_tokens(split, data_cfg.val_fraction), ByteTokenizer.name
     if data_cfg.source == "tokens":
         tokens, meta = open_split(data_cfg.path, split)
+        if data_cfg.verify:
+            _verify(data_cfg.path, split)
         if meta["vocab_size"] > vocab_size:
             raise ValueError(
                 f"model.vocab_size={vocab_size} is smaller than the vocab_size "
@@ -61,7 +70,7 @@ def token_stream(data_cfg: DataConfig, split: str, vocab_size: int) -> tuple[np.
         largest = _largest_id(data_cfg.path, split, tokens)
         if largest >= vocab_size:  # meta.json understates the vocabulary: ids would be NaN
             raise ValueError(
-                f"{Path(data_cfg.path) / f'{split}.bin'} holds token id {largest}, outside "
+                f"the {split} split of data.path={data_cfg.path} holds token id {largest}, outside "
                 f"model.vocab_size={vocab_size} (its meta.json says vocab_size "
                 f"{meta['vocab_size']}); set model.vocab_size > {largest} or re-run prepare"
             )
@@ -69,18 +78,35 @@ def token_stream(data_cfg: DataConfig, split: str, vocab_size: int) -> tuple[np.
     raise ValueError(f"data.source={data_cfg.source!r} has no token stream (valid: stdlib, tokens)")
 
 
-_LARGEST: dict[tuple, int] = {}  # (file, size, mtime) -> its largest id
+_LARGEST: dict[tuple, int] = {}  # (files, sizes, mtimes) -> the split's largest id
 
 
 def _largest_id(path: str, split: str, tokens: np.ndarray) -> int:
     """The split's largest id, measured once per file version (evaluation reopens it)."""
-    file = Path(path).absolute() / f"{split}.bin"
-    stat = file.stat()
-    key = (str(file), stat.st_size, stat.st_mtime_ns)
+    meta = read_meta(path)
+    key = _version(path, split, meta)
     if key not in _LARGEST:
-        splits = read_meta(path).get("splits")
+        splits = meta.get("splits")
         _LARGEST[key] = max_id(tokens, splits.get(split) if isinstance(splits, dict) else None)
     return _LARGEST[key]
+
+
+def _version(path: str, split: str, meta: dict) -> tuple:
+    """What identifies one version of a split's files: their names, sizes and mtimes."""
+    files = [Path(path).absolute() / META, *split_files(Path(path).absolute(), split, meta)]
+    return tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+
+
+_VERIFIED: set[tuple] = set()  # split versions whose checksums data.verify has checked
+
+
+def _verify(path: str, split: str) -> None:
+    """data.verify: the split's shards against their checksums, once per file version."""
+    meta = read_meta(path)
+    key = _version(path, split, meta)
+    if key not in _VERIFIED:
+        verify_split(path, split, meta)
+        _VERIFIED.add(key)
 
 
 class PackedSequences:

@@ -1,4 +1,5 @@
-"""Prepared token files: flat `<split>.bin` arrays of token ids plus a `meta.json`.
+"""Prepared token files: each split's token ids in shard files (`<split>-00000.bin`,
+...; one flat `<split>.bin` in corpora prepared before shards) plus a `meta.json`.
 
 Memory-mapped, so a corpus larger than RAM trains without loading; every file
 is checked when opened so a corrupt or mismatched one fails before compilation.
@@ -13,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from moe_jax.data.shards import HASH, ShardedTokens, file_checksum
 
 FORMAT = "moe_jax.tokens.v1"
 DTYPES = ("uint16", "uint32")
@@ -105,13 +108,30 @@ def read_meta(directory: str | os.PathLike) -> dict[str, Any]:
     return meta
 
 
-def open_split(directory: str | os.PathLike, split: str) -> tuple[np.ndarray, dict[str, Any]]:
-    """The tokens of one split as a read-only memmap, and the directory's meta."""
-    if split not in SPLITS:
-        raise ValueError(f"split={split!r} is invalid: valid splits are {SPLITS}")
-    meta = read_meta(directory)
-    dtype = np.dtype(meta["dtype"])
-    path = Path(directory) / f"{split}.bin"
+def _split_entry(directory: str | os.PathLike, meta: dict[str, Any], split: str) -> dict:
+    splits = meta.get("splits")
+    entry = splits.get(split) if isinstance(splits, dict) else None
+    return entry if isinstance(entry, dict) else {}
+
+
+def split_files(directory: str | os.PathLike, split: str, meta: dict[str, Any]) -> list[Path]:
+    """The files holding one split, in stream order: the shards meta.json lists, or
+    `<split>.bin` for a corpus prepared before shards."""
+    shards = _split_entry(directory, meta, split).get("shards")
+    if shards is None:
+        return [Path(directory) / f"{split}.bin"]
+    if not isinstance(shards, list) or not all(
+        isinstance(s, dict) and isinstance(s.get("file"), str) for s in shards
+    ):
+        raise ValueError(f"{Path(directory) / META} has a malformed shard list for {split}")
+    for shard in shards:
+        if Path(shard["file"]).name != shard["file"]:
+            raise ValueError(f"{Path(directory) / META} names shard {shard['file']!r} outside it")
+    return [Path(directory) / s["file"] for s in shards]
+
+
+def _open_file(path: Path, dtype: np.dtype, expected: Any) -> np.ndarray:
+    """One file of a split as a read-only memmap, its size checked against meta.json."""
     if not path.is_file():
         raise ValueError(f"{path} is missing; {PREPARE_HINT}")
     size = path.stat().st_size
@@ -120,16 +140,63 @@ def open_split(directory: str | os.PathLike, split: str) -> tuple[np.ndarray, di
             f"{path} has {size} bytes, not a multiple of {dtype.name}'s {dtype.itemsize}"
         )
     num_tokens = size // dtype.itemsize
-    splits = meta.get("splits")
-    entry = splits.get(split) if isinstance(splits, dict) else None
-    expected = entry.get("num_tokens") if isinstance(entry, dict) else None
     if expected != num_tokens:
         raise ValueError(
-            f"{path} holds {num_tokens} tokens but {Path(directory) / META} says {expected}"
+            f"{path} holds {num_tokens} tokens but {path.parent / META} says {expected}"
         )
     if num_tokens == 0:
-        return np.zeros(0, dtype), meta  # np.memmap cannot map an empty file
-    return np.memmap(path, dtype=dtype, mode="r"), meta
+        return np.zeros(0, dtype)  # np.memmap cannot map an empty file
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+def open_split(directory: str | os.PathLike, split: str) -> tuple[Any, dict[str, Any]]:
+    """The tokens of one split as one read-only 1-D array, and the directory's meta: a
+    memmap for a single file, a `ShardedTokens` over several shards (never loaded)."""
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r} is invalid: valid splits are {SPLITS}")
+    meta = read_meta(directory)
+    dtype = np.dtype(meta["dtype"])
+    entry = _split_entry(directory, meta, split)
+    files = split_files(directory, split, meta)
+    if "shards" not in entry:
+        return _open_file(files[0], dtype, entry.get("num_tokens")), meta
+    parts = [
+        _open_file(path, dtype, shard.get("num_tokens"))
+        for path, shard in zip(files, entry["shards"], strict=True)
+    ]
+    total = sum(p.size for p in parts)
+    if entry.get("num_tokens") != total:
+        raise ValueError(
+            f"{Path(directory) / META} says {split} has {entry.get('num_tokens')} tokens but "
+            f"its shards ({', '.join(p.name for p in files) or 'none'}) hold {total}"
+        )
+    if not parts:
+        return np.zeros(0, dtype), meta
+    if len(parts) == 1:
+        return parts[0], meta
+    return ShardedTokens(parts, files), meta
+
+
+def verify_split(directory: str | os.PathLike, split: str, meta: dict[str, Any]) -> None:
+    """`data.verify`: every shard of the split against the SHA-256 prepare stored; one
+    ValueError naming the first shard that differs."""
+    entry = _split_entry(directory, meta, split)
+    shards = entry.get("shards")
+    if not shards or not all(isinstance(s.get(HASH), str) for s in shards):
+        if entry.get("num_tokens") == 0:
+            return
+        raise ValueError(
+            f"data.verify=true but {Path(directory) / META} stores no checksums for {split} "
+            "(prepared before they were stored): re-run moe_jax.data.prepare, or set "
+            "data.verify=false"
+        )
+    for path, shard in zip(split_files(directory, split, meta), shards, strict=True):
+        found = file_checksum(path)
+        if found != shard[HASH]:
+            raise ValueError(
+                f"data.verify: {path} has {HASH} {found[:16]}..., but meta.json records "
+                f"{shard[HASH][:16]}...: the shard changed after prepare; re-run prepare"
+            )
 
 
 SCAN_CHUNK = 1 << 24  # tokens per read when a split's largest id must be measured
