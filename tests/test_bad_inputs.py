@@ -49,7 +49,7 @@ def _out_of_vocabulary(place: Place) -> None:
     tokens[1234] = 300  # vocab_size is 259: meta.json understates it
     write_split(data, "train", tokens)
     meta = json.loads((data / "meta.json").read_text())
-    meta["splits"]["train"].update(num_tokens=5000, max_id=300)
+    meta["splits"]["train"] = {"num_tokens": 5000, "max_id": 300}  # train.bin, no shards
     write_meta(data, meta)
 
 
@@ -70,7 +70,7 @@ def _user_config_json(place: Place) -> None:
 
 
 def _truncated_split(place: Place) -> None:
-    split = place.prepared() / "train.bin"
+    split = place.prepared() / "train-00000.bin"
     split.write_bytes(split.read_bytes()[:-3])
 
 
@@ -204,7 +204,7 @@ CASES = [
         "data_split_truncated",
         "train",
         [*TINY, *TOKENS, WORKDIR],
-        "train.bin",
+        "train-00000.bin",
         setup=_truncated_split,
     ),
     # train: settings

@@ -361,7 +361,7 @@ def test_prepare_stores_each_splits_largest_id(tmp_path: Path):
     prepare(tmp_path / "a.txt", tmp_path / "out", "byte", 0.1, "text")
     meta = json.loads((tmp_path / "out" / "meta.json").read_text())
     for split in ("train", "val"):
-        tokens = np.fromfile(tmp_path / "out" / f"{split}.bin", np.uint16)
+        tokens = np.fromfile(tmp_path / "out" / f"{split}-00000.bin", np.uint16)
         assert meta["splits"][split]["max_id"] == int(tokens.max())
 
 

@@ -70,12 +70,18 @@ def token_stream(data_cfg: DataConfig, split: str, vocab_size: int) -> tuple[np.
         largest = _largest_id(data_cfg.path, split, tokens)
         if largest >= vocab_size:  # meta.json understates the vocabulary: ids would be NaN
             raise ValueError(
-                f"the {split} split of data.path={data_cfg.path} holds token id {largest}, outside "
+                f"{_files_named(data_cfg.path, split, meta)} holds token id {largest}, outside "
                 f"model.vocab_size={vocab_size} (its meta.json says vocab_size "
                 f"{meta['vocab_size']}); set model.vocab_size > {largest} or re-run prepare"
             )
         return tokens, str(meta.get("tokenizer", ""))
     raise ValueError(f"data.source={data_cfg.source!r} has no token stream (valid: stdlib, tokens)")
+
+
+def _files_named(path: str, split: str, meta: dict) -> str:
+    """The file of a split, or its shards as a pattern when there are several."""
+    files = split_files(path, split, meta)
+    return str(files[0]) if len(files) == 1 else str(Path(path) / f"{split}-*.bin")
 
 
 _LARGEST: dict[tuple, int] = {}  # (files, sizes, mtimes) -> the split's largest id

@@ -145,10 +145,21 @@ def _write(output: Path, tokenizer: Tokenizer, entries: dict, written: list[Path
     return meta
 
 
-def prepare(input_path: Path, output: Path, tokenizer_spec: str, args) -> str:
+def prepare(
+    input_path: Path,
+    output: Path,
+    tokenizer_spec: str,
+    val_fraction: float,
+    text_key: str,
+    workers: int = 1,
+    shard_tokens: int = SHARD_TOKENS,
+) -> str:
     """Writes the shards of train and val, meta.json (and the tokenizer's
     tokenizer.json) under `output`; returns a summary line. On any failure or
     interruption the files written so far (and `output`, if made here) are removed."""
+    args = argparse.Namespace(
+        val_fraction=val_fraction, text_key=text_key, workers=workers, shard_tokens=shard_tokens
+    )
     paths.check_input(input_path, "--input")
     if not 0 < args.val_fraction < 1:
         raise ValueError(f"--val_fraction={args.val_fraction} is invalid: must be in (0, 1)")
@@ -212,7 +223,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     try:
-        summary = prepare(args.input, args.output, args.tokenizer, args)
+        summary = prepare(
+            args.input,
+            args.output,
+            args.tokenizer,
+            args.val_fraction,
+            args.text_key,
+            args.workers,
+            args.shard_tokens,
+        )
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
