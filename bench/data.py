@@ -5,7 +5,8 @@ Why: the "Throughput" section of docs/data.md quotes these figures. The script w
 synthetic corpus (one parquet file of `--mb` MB of text), trains a small byte-level
 BPE with `tokenizers` (as the tests do), and times:
 - `prepare` with the byte tokenizer and the BPE, at 1 and 2 `--workers`, in MB of text
-  per second, next to `Tokenizer.encode_batch` over the same texts in this process
+  per second (the call in a fresh interpreter, its workers' start included), next to
+  `Tokenizer.encode_batch` over the same texts in this process
   (the Rust side uses every core), measured in the same run;
 - the loader (`pipeline.make_iterator`, the default batch 16 x 128) in tokens/s of one
   process, against the default run's consumption: tokens_per_sec of `--metrics` (a
@@ -36,7 +37,7 @@ import repo_root
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from moe_jax import config as config_lib
-from moe_jax.data import pipeline, prepare
+from moe_jax.data import pipeline
 from moe_jax.data.tokenizer import HFTokenizer
 
 WORDS = [
@@ -85,10 +86,28 @@ def train_bpe(path: Path, docs: list[str]) -> None:
     tok.save(str(path))
 
 
+# In a fresh interpreter whose __main__ is no file: spawned workers then import only what
+# prepare needs (from this script they would re-import it, jax and all, as __mp_main__).
+TIMED = """
+import sys, time
+from moe_jax.data import prepare
+start = time.perf_counter()
+prepare.prepare(*map(prepare.Path, sys.argv[1:3]), sys.argv[3], 0.05, "text", int(sys.argv[4]))
+print(time.perf_counter() - start)
+"""
+
+
 def time_prepare(source: Path, out: Path, spec: str, workers: int) -> float:
-    start = time.perf_counter()
-    prepare.prepare(source, out, spec, 0.05, "text", workers)
-    return time.perf_counter() - start
+    """Seconds of one prepare call, the workers' start included, interpreter start not."""
+    done = subprocess.run(
+        [sys.executable, "-c", TIMED, str(source), str(out), spec, str(workers)],
+        env={**os.environ, "PYTHONPATH": str(repo_root.ROOT)},
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode:
+        raise SystemExit(f"error: prepare failed: {done.stderr[-500:]}")
+    return float(done.stdout.split()[-1])
 
 
 def time_encode_batch(spec: str, docs: list[str]) -> float:

@@ -23,8 +23,8 @@ BATCH_DOCS = 1024  # documents per task at most
 BATCH_BYTES = 4 << 20  # characters of text per task at most
 
 # One task's result: tokens for train and val (each document followed by EOS), the
-# number of documents, and the input bytes and text bytes the task accounts for.
-Encoded = tuple[np.ndarray, np.ndarray, int, int, int]
+# number of documents, and the input bytes the task accounts for (the progress bar's).
+Encoded = tuple[np.ndarray, np.ndarray, int, int]
 
 _worker: dict = {}
 
@@ -38,9 +38,7 @@ def encode(tokenizer: Tokenizer, dtype: str, val_fraction: float, docs: list) ->
     for (key, _), encoded in zip(kept, ids, strict=True):
         parts[is_val(key, val_fraction)] += [encoded.astype(dtype), eos]
     train, val = (np.concatenate(parts[v] or [np.zeros(0, dtype)]) for v in (False, True))
-    used = sum(n for _, _, n in docs)
-    text_bytes = sum(len(text) for _, text in kept)
-    return train, val, len(kept), used, text_bytes
+    return train, val, len(kept), sum(n for _, _, n in docs)
 
 
 def _init(spec: str, dtype: str, val_fraction: float) -> None:

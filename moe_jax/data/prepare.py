@@ -103,7 +103,7 @@ def _tokenize_into(
             total=total_bytes, unit="B", unit_scale=True, desc="prepare", delay=2,
             mininterval=1, file=sys.stderr, leave=False,
         ) as bar:  # fmt: skip
-            for train, val, docs, used, _ in encode.encoded_batches(
+            for train, val, docs, used in encode.encoded_batches(
                 source, spec, dtype, args.val_fraction, args.workers
             ):
                 writers["train"].write(train)

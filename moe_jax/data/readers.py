@@ -76,7 +76,9 @@ def _text_column(path: Path, names: list[str], types: list, text_key: str) -> No
             f"{', '.join(names) or 'none'}"
         )
     kind = types[names.index(text_key)]
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+    if not (
+        pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)
+    ):
         raise ValueError(f"--input {path}: column {text_key!r} holds {kind}, not strings")
 
 
