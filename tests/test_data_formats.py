@@ -137,19 +137,20 @@ def _peak_rss(source: pathlib.Path, out: pathlib.Path) -> int:
 
 
 def test_peak_memory_stays_bounded_as_the_corpus_grows(tmp_path):
-    """0.5 MB and 4.5 MB of text in one parquet file (row groups of 32 rows; tasks of
-    64 KB): held whole, the larger would need at least 4 MB more for its text and 8 MB
-    for its uint16 tokens; streamed, its peak RSS grows by under half the text."""
+    """0.5 MB and 14 MB of text in one parquet file (row groups of 32 rows; tasks of
+    64 KB): held whole, the larger would need at least 3 bytes more per byte of text
+    grown (the text, and its uint16 tokens), over 39 MB; streamed, its peak RSS grows by
+    less than the text itself (measured: 0 to 8 MB, the allocator's noise, either way)."""
     base = " ".join(np.random.default_rng(0).choice(WORDS, 4000))
     grown, peak = 0, []
-    for count in (64, 576):
+    for count in (64, 1728):
         docs = [f"doc {i}: " + base[i % 97 :][:8000] for i in range(count)]
         path = tmp_path / f"{count}.parquet"
         pq.write_table(pa.table({"text": docs}), path, row_group_size=32)
         grown = sum(len(t.encode()) for t in docs) - grown
         peak.append(_peak_rss(path, tmp_path / f"out{count}"))
-    assert grown > 4e6
-    assert peak[1] - peak[0] < 0.5 * grown, (peak, grown)
+    assert grown > 13e6
+    assert peak[1] - peak[0] < grown, (peak, grown)
 
 
 def test_an_interrupted_prepare_is_never_taken_for_a_finished_one(tmp_path):
