@@ -195,3 +195,23 @@ def test_verify_catches_a_changed_shard(tmp_path):
         pipeline.make_iterator(make_config({**overrides, "data.verify": True}), "train")
     message = str(excinfo.value)
     assert "\n" not in message and str(shard) in message and "data.verify" in message
+
+
+def test_a_single_document_held_out_across_shards(tmp_path):
+    """One .txt file (no hash split possible): val is the stream's last 5% of tokens, the
+    same with 100-token shards as with one shard, and the shards' checksums hold."""
+    (tmp_path / "book.txt").write_text("Grüße, naïve café 🙂 " * 120, "utf-8")
+    outs = {}
+    for shard_tokens in (100, 1 << 20):
+        out = tmp_path / f"out{shard_tokens}"
+        args = ["--input", str(tmp_path / "book.txt"), "--output", str(out)]
+        assert prepare.main([*args, "--shard_tokens", str(shard_tokens)]) == 0
+        outs[shard_tokens] = splits_of(out)
+        meta = token_files.read_meta(out)
+        for split in ("train", "val"):
+            token_files.verify_split(out, split, meta)
+    stream = np.concatenate([outs[1 << 20]["train"], outs[1 << 20]["val"]])
+    assert outs[100]["val"].size == -(-stream.size * 5 // 100)
+    for split in ("train", "val"):
+        np.testing.assert_array_equal(outs[100][split], outs[1 << 20][split])
+    assert not list(tmp_path.glob("out*/.stream"))
