@@ -86,8 +86,19 @@ def _largest_id(path: str, split: str, tokens: np.ndarray) -> int:
 class PackedSequences:
     """Random-access source of non-overlapping windows of seq_len + 1 tokens (int32)."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, name: str = "the split") -> None:
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        seq_len: int,
+        name: str = "the split",
+        file: str = "",
+        vocab_size: int = 0,
+    ) -> None:
+        """`file` and `vocab_size` given, every window read is checked against the
+        vocabulary (`check_ids`): the stored max_id is what prepare wrote, not what the
+        file holds now."""
         window = seq_len + 1
+        self._file, self._vocab_size = file, vocab_size
         if len(tokens) < window:
             raise ValueError(
                 f"{name} has {len(tokens)} tokens, fewer than one sequence of "
@@ -100,6 +111,11 @@ class PackedSequences:
     def __len__(self) -> int:
         return self._len
 
+    @property
+    def window(self) -> int:
+        """Tokens per window: train.seq_len + 1."""
+        return self._window
+
     def __getitem__(self, index: int) -> np.ndarray:
         index = int(index)
         if not 0 <= index < self._len:
@@ -109,10 +125,29 @@ class PackedSequences:
 
     def rows(self, indices: np.ndarray) -> np.ndarray:
         """The windows at `indices`, stacked into [len(indices), seq_len + 1]."""
-        return np.stack([self[i] for i in indices])
+        windows = np.stack([self[i] for i in indices])
+        if self._vocab_size:
+            check_ids(windows, np.asarray(indices) * self._window, self._file, self._vocab_size)
+        return windows
+
+
+def check_ids(windows: np.ndarray, starts: np.ndarray, file: str, vocab_size: int) -> None:
+    """A one-line ValueError naming the file, offset and id of the first id outside the
+    vocabulary in `windows` (rows read from token offsets `starts` of `file`): a max
+    over the batch, so cheap enough for every batch."""
+    if windows.size == 0 or int(windows.max()) < vocab_size:
+        return
+    row, column = np.argwhere(windows >= vocab_size)[0]
+    offset = int(starts[row]) + int(column)
+    raise ValueError(
+        f"{file} holds token id {int(windows[row, column])} at token offset {offset}, "
+        f"outside model.vocab_size={vocab_size} (the file changed after prepare, or is "
+        "damaged); stopped before the step that would read it: re-run prepare"
+    )
 
 
 def _pairs(windows: np.ndarray) -> dict[str, np.ndarray]:
+    """A batch of windows as {'inputs', 'targets'}: the one place windows become a batch."""
     return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
 
 
@@ -201,9 +236,19 @@ def make_iterator(
         ds = grain.MapDataset.range(1).repeat(None)
         ds = ds.map_with_index(functools.partial(_synthetic_rows, config, split, rows))
         return Batches(ds.to_iter_dataset(_READ_OPTIONS), identity)
+    if d.sources:  # a mixture (moe_jax.data.mixture): late import, it builds on this module
+        from moe_jax.data import mixture
+
+        return mixture.make_iterator(config, split, rows, shuffle)
     tokens, _ = token_stream(d, split, config.model.vocab_size)
     where = f"data.path={d.path}" if d.source == "tokens" else f"data.source={d.source!r}"
-    source = PackedSequences(tokens, t.seq_len, name=f"the {split} split of {where}")
+    checked = {}
+    if d.source == "tokens":
+        checked = {
+            "file": str(Path(d.path) / f"{split}.bin"),
+            "vocab_size": config.model.vocab_size,
+        }
+    source = PackedSequences(tokens, t.seq_len, name=f"the {split} split of {where}", **checked)
     identity["num_sequences"] = len(source)
     ds = grain.MapDataset.range(len(source))
     if shuffle:
