@@ -164,7 +164,8 @@ class Mixture:
         for i, (source, windows) in enumerate(zip(self._sources, self._windows, strict=True)):
             size = len(windows)
             wrapped = self._drawn[i] // size > before[i] // size
-            if wrapped and i not in self._wrapped and jax.process_index() == 0:
+            said = i in self._wrapped or not self._shuffle  # evaluation repeats in silence
+            if wrapped and not said and jax.process_index() == 0:
                 self._wrapped.add(i)  # once per source; metrics.jsonl counts the epochs
                 print(
                     f"data: source {source.name!r} ran out after {size} windows and wraps: "
