@@ -163,6 +163,11 @@ MEANINGS: dict[str, str] = {
         "(refused with any other source, which would ignore it)"
     ),
     "data.val_fraction": "share of stdlib files held out for validation",
+    "data.sources": (
+        "a mixture instead of `data.path`: `DIR:WEIGHT:NAME,DIR:WEIGHT:NAME` (a list of "
+        "(DIR, WEIGHT, NAME) in a config file), windows drawn by weight, `val_loss/<name>` "
+        "per source; with `source=tokens` ([data](data.md#mixtures))"
+    ),
     "parallel.layout": (
         "`manual`: the settings below; `auto`: the planner (`python -m moe_jax.plan`) chooses "
         "attention, experts, intra, data, zero, etp, overlap and pipeline for the devices at hand"

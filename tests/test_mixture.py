@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from moe_jax import config_sources
+from moe_jax.config import load
 from moe_jax.data import mixture, pipeline, prepare
 from moe_jax.data.tokenizer import ByteTokenizer
 from tests.settings import make_config
@@ -48,6 +50,13 @@ def which(batch: dict[str, np.ndarray]) -> list[str]:
     by_letter = {ord(letter): name for name, letter in LETTERS.items()}
     # A window starts at any byte of a document; newlines and EOS are not letters.
     return [by_letter[next(t for t in row if t in by_letter)] for row in batch["inputs"]]
+
+
+def test_a_config_file_may_give_the_sources_as_a_list(three):
+    listed = [[str(three["web"]), 2, "web"], (str(three["code"]), 0.5, "code")]
+    config = load({"data": {"source": "tokens", "sources": listed}})
+    assert config.data.sources == f"{three['web']}:2:web,{three['code']}:0.5:code"
+    assert config_sources.parse(config.data.sources)[1] == (str(three["code"]), 0.5, "code")
 
 
 def test_drawn_proportions_match_the_weights(three):
@@ -135,3 +144,51 @@ def test_an_id_changed_after_prepare_stops_the_batch_that_reads_it(tmp_path, mix
     message = str(excinfo.value)
     assert "\n" not in message
     assert f"{dirs['code'] / 'train.bin'} holds token id 60000 at token offset {offset}" in message
+
+
+def test_a_flipped_id_stops_the_run_before_the_step_that_reads_it(tmp_path):
+    """The command line on a train.bin patched after prepare (meta.json's stored max_id
+    still says all is well): steps 1-2 run and are saved, step 3's batch holds the id,
+    so the run stops in one line naming the file, offset and id, exit status 1, and no
+    checkpoint or metrics row of step 3 exists."""
+    from moe_jax.checkpoint import Checkpointer
+    from moe_jax.metrics import read_rows
+    from tests.commands import TINY
+    from tests.test_trainer import _train_cli
+
+    text = tmp_path / "numbered.txt"  # every window differs: found again by its tokens
+    text.write_text("".join(f"line {i} of a numbered text\n" for i in range(300)))
+    data = tmp_path / "data"
+    assert prepare.main(["--input", str(text), "--output", str(data)]) == 0
+    overrides = {"data.source": "tokens", "data.path": str(data)}
+    config = make_config({**overrides, "train.batch_size": 4, "train.seq_len": 32})
+    it = pipeline.make_iterator(config, "train")
+    third = [next(it) for _ in range(3)][2]["inputs"][0]  # step 3's first row
+    raw = np.fromfile(data / "train.bin", np.uint16)
+    windows = raw[: len(raw) // 33 * 33].reshape(-1, 33)[:, :-1]
+    window = int(np.flatnonzero((windows == third).all(1))[0])
+    raw[window * 33 + 5] = 60000
+    raw.tofile(data / "train.bin")
+
+    run = tmp_path / "run"
+    settings = ["--config.train.steps=6", "--config.train.checkpoint_every=1"]
+    done = _train_cli(
+        run,
+        *TINY,
+        *settings,
+        "--config.train.eval_every=0",
+        "--config.data.source=tokens",
+        f"--config.data.path={data}",
+        warm=True,
+    )
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"error: {data / 'train.bin'} holds token id 60000 at token offset {window * 33 + 5}, "
+        "outside model.vocab_size=259 (the file changed after prepare, or is damaged); "
+        "stopped before the step that would read it: re-run prepare"
+    )
+    checkpoints = Checkpointer(run / "checkpoints", 3)
+    assert checkpoints.steps() == [2, 1]
+    checkpoints.close()
+    assert max(row["step"] for row in read_rows(run / "metrics.jsonl")) == 2
