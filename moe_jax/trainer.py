@@ -22,7 +22,7 @@ from moe_jax import checkpoint, config_sources, flops, init_from, memory_check, 
 from moe_jax import config as config_lib
 from moe_jax import workdir as workdir_lib
 from moe_jax.checkpoint import Checkpointer
-from moe_jax.data import mixture, pipeline
+from moe_jax.data import pipeline
 from moe_jax.metrics import MetricsLogger, check_wandb, read_rows
 from moe_jax.parallel import mesh as mesh_lib
 from moe_jax.plan.describe import plan_line
@@ -77,7 +77,7 @@ def _evaluate(eval_fn, state, config: config_lib.Config, sharding, rows) -> dict
 
     if not config.data.sources:
         return {"val_loss": mean_loss(pipeline.make_iterator(config, "val", rows, shuffle=False))}
-    alone = mixture.source_iterators(config, rows)
+    alone = pipeline.source_iterators(config, rows)
     found = {f"val_loss/{name}": mean_loss(batches) for name, batches in alone.items()}
     weights = {s.name: s.weight for s in config_sources.parse(config.data.sources)}
     total = sum(weights.values())

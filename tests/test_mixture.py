@@ -13,7 +13,7 @@ import pytest
 
 from moe_jax import config_sources
 from moe_jax.config import load
-from moe_jax.data import mixture, pipeline, prepare
+from moe_jax.data import pipeline, prepare
 from moe_jax.data.tokenizer import ByteTokenizer
 from tests.settings import make_config
 
@@ -30,6 +30,14 @@ def prepare_sources(root: Path, sizes: dict[str, int]) -> dict[str, Path]:
         made[name] = root / name
         assert prepare.main(["--input", str(text), "--output", str(made[name])]) == 0
     return made
+
+
+def flip(file: Path, offset: int) -> None:
+    """Token `offset` of a uint16 token file set to 60000 in place, as a bit flip would
+    (meta.json untouched: its stored max_id still says all is well)."""
+    with file.open("r+b") as f:
+        f.seek(2 * offset)
+        f.write(np.uint16(60000).tobytes())
 
 
 def sources_text(dirs: dict[str, Path], weights: dict[str, float]) -> str:
@@ -102,7 +110,7 @@ def test_resume_is_exact_through_wraps_on_any_rows(three, capsys):
 
 def test_val_per_source_reads_that_source_in_order(three):
     config = config_of(sources_text(three, {"web": 1, "code": 1, "math": 1}), batch_size=2)
-    alone = mixture.source_iterators(config, np.arange(2))
+    alone = pipeline.source_iterators(config, np.arange(2))
     assert list(alone) == ["web", "code", "math"]
     for name, it in alone.items():
         single = make_config(
@@ -121,10 +129,8 @@ def test_val_per_source_reads_that_source_in_order(three):
 @pytest.mark.parametrize("mixed", [False, True])
 def test_an_id_changed_after_prepare_stops_the_batch_that_reads_it(tmp_path, mixed):
     dirs = prepare_sources(tmp_path, {"web": 10, "code": 10})
-    raw = np.fromfile(dirs["code"] / "train.bin", np.uint16)
     offset = 17 * 5 + 3  # window 5's fourth token (windows of seq_len + 1 = 17)
-    raw[offset] = 60000
-    raw.tofile(dirs["code"] / "train.bin")
+    flip(dirs["code"] / "train.bin", offset)
     if mixed:
         config = config_of(sources_text(dirs, {"web": 1, "code": 1}), batch_size=4)
     else:
@@ -167,8 +173,8 @@ def test_a_flipped_id_stops_the_run_before_the_step_that_reads_it(tmp_path):
     raw = np.fromfile(data / "train.bin", np.uint16)
     windows = raw[: len(raw) // 33 * 33].reshape(-1, 33)[:, :-1]
     window = int(np.flatnonzero((windows == third).all(1))[0])
-    raw[window * 33 + 5] = 60000
-    raw.tofile(data / "train.bin")
+    del it  # its reading threads map the file
+    flip(data / "train.bin", window * 33 + 5)
 
     run = tmp_path / "run"
     settings = ["--config.train.steps=6", "--config.train.checkpoint_every=1"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +24,8 @@ import numpy as np
 
 from moe_jax.config import Config
 from moe_jax.config_sources import Source, parse
-from moe_jax.data.pipeline import PackedSequences, _pairs
 from moe_jax.data.token_files import META, PREPARE_HINT, max_id, open_split, tokenizer_spec
+from moe_jax.data.windows import PackedSequences
 
 _MIX_SALT = 0x6D6978  # seeds the order of a batch's rows apart from the window orders
 
@@ -99,7 +100,10 @@ class Mixture:
         seed: int,
         shuffle: bool,
         identity: dict[str, Any],
+        to_batch: Callable[[np.ndarray], dict[str, np.ndarray]],
     ) -> None:
+        """`to_batch`: how windows become a batch, the single-source pipeline's own."""
+        self._to_batch = to_batch
         self._sources = [s for s, _ in sources]
         self._windows = [w for _, w in sources]
         weights = np.array([s.weight for s in self._sources], np.float64)
@@ -158,7 +162,7 @@ class Mixture:
             where = np.flatnonzero(local == source)
             indices = [self._window(int(source), int(k)) for k in ours[where]]
             windows[where] = self._windows[source].rows(np.array(indices))
-        return _pairs(windows)
+        return self._to_batch(windows)
 
     def _say_wraps(self, before: np.ndarray) -> None:
         for i, (source, windows) in enumerate(zip(self._sources, self._windows, strict=True)):
@@ -203,7 +207,9 @@ class Mixture:
         self._drawn = np.array([int(position["drawn"][s.name]) for s in self._sources], np.int64)
 
 
-def make_iterator(config: Config, split: str, rows: np.ndarray, shuffle: bool) -> Mixture:
+def make_iterator(
+    config: Config, split: str, rows: np.ndarray, shuffle: bool, to_batch: Callable
+) -> Mixture:
     """The mixture's batches of `split` (rows `rows` of each global batch)."""
     t = config.train
     identity = {
@@ -215,10 +221,10 @@ def make_iterator(config: Config, split: str, rows: np.ndarray, shuffle: bool) -
         "shuffle": shuffle,
     }
     opened = open_sources(config, split)
-    return Mixture(opened, t.batch_size, rows, t.seed, shuffle, identity)
+    return Mixture(opened, t.batch_size, rows, t.seed, shuffle, identity, to_batch)
 
 
-def source_iterators(config: Config, rows: np.ndarray) -> dict[str, Mixture]:
+def source_iterators(config: Config, rows: np.ndarray, to_batch: Callable) -> dict[str, Mixture]:
     """Each source's val split alone, in order: what `val_loss/<name>` averages over."""
     t = config.train
     found = {}
@@ -226,6 +232,6 @@ def source_iterators(config: Config, rows: np.ndarray) -> dict[str, Mixture]:
         alone = Source(source.path, 1.0, source.name)
         identity = {"sources": source.name, "split": "val", "seed": t.seed}
         found[source.name] = Mixture(
-            [(alone, windows)], t.batch_size, rows, t.seed, False, identity
+            [(alone, windows)], t.batch_size, rows, t.seed, False, identity, to_batch
         )
     return found

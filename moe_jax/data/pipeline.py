@@ -17,10 +17,12 @@ import jax
 import numpy as np
 
 from moe_jax.config import Config, DataConfig
+from moe_jax.data import mixture
 from moe_jax.data.corpus import stdlib_documents
 from moe_jax.data.synthetic import recurrence_tokens
 from moe_jax.data.token_files import max_id, open_split, read_meta
 from moe_jax.data.tokenizer import ByteTokenizer
+from moe_jax.data.windows import PackedSequences
 
 _READ_OPTIONS = grain.ReadOptions(num_threads=2, prefetch_buffer_size=4)
 _SPLIT_CODES = {"train": 0, "val": 1}
@@ -83,69 +85,6 @@ def _largest_id(path: str, split: str, tokens: np.ndarray) -> int:
     return _LARGEST[key]
 
 
-class PackedSequences:
-    """Random-access source of non-overlapping windows of seq_len + 1 tokens (int32)."""
-
-    def __init__(
-        self,
-        tokens: np.ndarray,
-        seq_len: int,
-        name: str = "the split",
-        file: str = "",
-        vocab_size: int = 0,
-    ) -> None:
-        """`file` and `vocab_size` given, every window read is checked against the
-        vocabulary (`check_ids`): the stored max_id is what prepare wrote, not what the
-        file holds now."""
-        window = seq_len + 1
-        self._file, self._vocab_size = file, vocab_size
-        if len(tokens) < window:
-            raise ValueError(
-                f"{name} has {len(tokens)} tokens, fewer than one sequence of "
-                f"train.seq_len={seq_len} + 1"
-            )
-        self._tokens = tokens
-        self._window = window
-        self._len = len(tokens) // window
-
-    def __len__(self) -> int:
-        return self._len
-
-    @property
-    def window(self) -> int:
-        """Tokens per window: train.seq_len + 1."""
-        return self._window
-
-    def __getitem__(self, index: int) -> np.ndarray:
-        index = int(index)
-        if not 0 <= index < self._len:
-            raise IndexError(f"window {index} out of range [0, {self._len})")
-        start = index * self._window
-        return np.asarray(self._tokens[start : start + self._window], np.int32)
-
-    def rows(self, indices: np.ndarray) -> np.ndarray:
-        """The windows at `indices`, stacked into [len(indices), seq_len + 1]."""
-        windows = np.stack([self[i] for i in indices])
-        if self._vocab_size:
-            check_ids(windows, np.asarray(indices) * self._window, self._file, self._vocab_size)
-        return windows
-
-
-def check_ids(windows: np.ndarray, starts: np.ndarray, file: str, vocab_size: int) -> None:
-    """A one-line ValueError naming the file, offset and id of the first id outside the
-    vocabulary in `windows` (rows read from token offsets `starts` of `file`): a max
-    over the batch, so cheap enough for every batch."""
-    if windows.size == 0 or int(windows.max()) < vocab_size:
-        return
-    row, column = np.argwhere(windows >= vocab_size)[0]
-    offset = int(starts[row]) + int(column)
-    raise ValueError(
-        f"{file} holds token id {int(windows[row, column])} at token offset {offset}, "
-        f"outside model.vocab_size={vocab_size} (the file changed after prepare, or is "
-        "damaged); stopped before the step that would read it: re-run prepare"
-    )
-
-
 def _pairs(windows: np.ndarray) -> dict[str, np.ndarray]:
     """A batch of windows as {'inputs', 'targets'}: the one place windows become a batch."""
     return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
@@ -195,6 +134,11 @@ class Batches:
         self._iter.set_state(state["position"])
 
 
+def source_iterators(config: Config, rows: np.ndarray) -> dict[str, Any]:
+    """A mixture's sources' val splits, each alone and in order (`val_loss/<name>`)."""
+    return mixture.source_iterators(config, rows, _pairs)
+
+
 def local_rows(sharding: jax.sharding.Sharding, batch_size: int, seq_len: int) -> np.ndarray:
     """The global batch rows held by this process's devices, in order.
 
@@ -236,10 +180,8 @@ def make_iterator(
         ds = grain.MapDataset.range(1).repeat(None)
         ds = ds.map_with_index(functools.partial(_synthetic_rows, config, split, rows))
         return Batches(ds.to_iter_dataset(_READ_OPTIONS), identity)
-    if d.sources:  # a mixture (moe_jax.data.mixture): late import, it builds on this module
-        from moe_jax.data import mixture
-
-        return mixture.make_iterator(config, split, rows, shuffle)
+    if d.sources:  # a mixture: its windows become batches as these do (`_pairs`)
+        return mixture.make_iterator(config, split, rows, shuffle, _pairs)
     tokens, _ = token_stream(d, split, config.model.vocab_size)
     where = f"data.path={d.path}" if d.source == "tokens" else f"data.source={d.source!r}"
     checked = {}
