@@ -63,6 +63,13 @@ def parse(text: str) -> tuple[Source, ...]:
     return tuple(found)
 
 
+def tokenizer_directory(d: Any) -> str:
+    """The prepared directory whose tokenizer the run's ids are in: data.path, or a
+    mixture's first source (every source has the same tokenizer: checked at start)."""
+    sources = parse(d.sources) if d.sources else ()
+    return sources[0].path if sources else d.path
+
+
 def validate(d: Any) -> None:
     """The data section's sources, and how they sit with data.source and data.path."""
     sources = parse(d.sources)
