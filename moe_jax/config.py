@@ -15,7 +15,7 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING, Any
 
-from moe_jax import config_attention, config_rules
+from moe_jax import config_attention, config_rules, config_sources
 from moe_jax.kernels import requirements
 
 if TYPE_CHECKING:
@@ -186,6 +186,9 @@ class DataConfig:
     path: str = ""  # directory written by `python -m moe_jax.data.prepare` (source=tokens)
     val_fraction: float = 0.05  # share of stdlib files held out for validation
     verify: bool = False  # check every shard's SHA-256 against meta.json at start (tokens)
+    # A mixture of prepared directories instead of data.path, drawn by weight per window:
+    # DIR:WEIGHT:NAME,DIR:WEIGHT:NAME (moe_jax.config_sources, moe_jax.data.mixture).
+    sources: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,6 +291,8 @@ def load(config: ml_collections.ConfigDict | dict[str, Any]) -> Config:
             raise ValueError(
                 f"unknown setting {section}.{bad[0]}; valid settings: {sorted(defaults)}"
             )
+        if section == "data" and "sources" in values:  # a config file may give a list
+            values = {**values, "sources": config_sources.as_text(values["sources"])}
         for name, value in values.items():
             _check_type(f"{section}.{name}", value, defaults[name])
         kwargs[section] = cls(**values)
@@ -463,12 +468,7 @@ def validate(config: Config) -> None:
 
     d = config.data
     _check(d.source in DATA_SOURCES, "data.source", d.source, f"valid: {DATA_SOURCES}")
-    _check(
-        d.source != "tokens" or bool(d.path),
-        "data.path",
-        d.path,
-        "data.source='tokens' needs the directory written by moe_jax.data.prepare",
-    )
+    config_sources.validate(d)
     _check(0 < d.val_fraction < 1, "data.val_fraction", d.val_fraction, "must be in (0, 1)")
     config_rules.validate_parallel(config.parallel)
     config_rules.check_meaningful(config)

@@ -167,6 +167,11 @@ MEANINGS: dict[str, str] = {
         "with `source=tokens`: check every shard's SHA-256 against meta.json at start (reads "
         "the whole corpus once); a mismatch stops the run in one line naming the shard"
     ),
+    "data.sources": (
+        "a mixture instead of `data.path`: `DIR:WEIGHT:NAME,DIR:WEIGHT:NAME` (a list of "
+        "(DIR, WEIGHT, NAME) in a config file), windows drawn by weight, `val_loss/<name>` "
+        "per source; with `source=tokens` ([data](data.md#mixtures))"
+    ),
     "parallel.layout": (
         "`manual`: the settings below; `auto`: the planner (`python -m moe_jax.plan`) chooses "
         "attention, experts, intra, data, zero, etp, overlap and pipeline for the devices at hand"

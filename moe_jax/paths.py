@@ -171,7 +171,20 @@ def stored(config_dict: dict[str, Any], run_dir: Path) -> dict[str, Any]:
         value = out.get(section, {}).get(key)
         if value:
             out[section][key] = store(value, run_dir)
+    if "data" in out and "sources" in out["data"]:
+        out["data"]["sources"] = _sources(out["data"]["sources"], lambda p: store(p, run_dir))
     return out
+
+
+def _sources(value: Any, each) -> Any:
+    """`data.sources` with `each` applied to every entry's directory (DIR:WEIGHT:NAME);
+    anything else as it is (the config's checks name it)."""
+    if not isinstance(value, str) or not value:
+        return value
+    entries = [entry.rsplit(":", 2) for entry in value.split(",")]
+    if any(len(parts) != 3 for parts in entries):
+        return value
+    return ",".join(":".join([each(path), weight, name]) for path, weight, name in entries)
 
 
 def resolve(value: str, run_dir: Path) -> str:
@@ -193,4 +206,6 @@ def resolved(config_dict: dict[str, Any], run_dir: Path) -> dict[str, Any]:
         value = out.get(section, {}).get(key)
         if isinstance(value, str):
             out[section][key] = resolve(value, run_dir)
+    if "data" in out and "sources" in out["data"]:
+        out["data"]["sources"] = _sources(out["data"]["sources"], lambda p: resolve(p, run_dir))
     return out

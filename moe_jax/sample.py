@@ -46,6 +46,7 @@ def _check_flags() -> None:
 def _tokenizer(config, spec: str):
     """The tokenizer `spec` names, else the run's (its corpus's copy); one line for a
     missing or unreadable one."""
+    from moe_jax.config_sources import tokenizer_directory
     from moe_jax.data.token_files import read_meta, tokenizer_spec
     from moe_jax.data.tokenizer import load_tokenizer
 
@@ -55,9 +56,13 @@ def _tokenizer(config, spec: str):
     if not spec:
         spec, flag = "byte", "the run's tokenizer"
         if config.data.source == "tokens":
-            spec = tokenizer_spec(config.data.path, read_meta(config.data.path))
+            data = tokenizer_directory(config.data)  # data.path, or a mixture's first source
+            spec = tokenizer_spec(data, read_meta(data))
             if spec != "byte":
-                paths.check_input(spec, f"the tokenizer of data.path={config.data.path}", "file")
+                where = (
+                    f"data.path={data}" if data == config.data.path else f"data.sources ({data})"
+                )
+                paths.check_input(spec, f"the tokenizer of {where}", "file")
     tokenizer = load_tokenizer(spec)
     if tokenizer.vocab_size > config.model.vocab_size:
         raise ValueError(

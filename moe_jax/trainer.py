@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_jax import checkpoint, flops, init_from, memory_check, optimizer, paths
+from moe_jax import checkpoint, config_sources, flops, init_from, memory_check, optimizer, paths
 from moe_jax import config as config_lib
 from moe_jax import workdir as workdir_lib
 from moe_jax.checkpoint import Checkpointer
@@ -59,14 +59,30 @@ def say(message: str) -> None:
         print(message, flush=True)
 
 
-def _evaluate(eval_fn, state, config: config_lib.Config, sharding, rows) -> float:
-    batches = pipeline.make_iterator(config, "val", rows, shuffle=False)
+def _evaluate(eval_fn, state, config: config_lib.Config, sharding, rows) -> dict[str, float]:
+    """{'val_loss'}: the mean over train.eval_batches batches of the val split; for a
+    mixture also 'val_loss/<name>' of each source's val split alone, with 'val_loss'
+    their mean by weight (one compiled eval_fn serves every source: same shapes)."""
     size = config.train.batch_size
-    losses = [
-        float(eval_fn(state, pipeline.global_array(next(batches), sharding, size)))
-        for _ in range(config.train.eval_batches)
-    ]
-    return float(np.mean(losses))
+
+    def mean_loss(batches) -> float:
+        return float(
+            np.mean(
+                [
+                    float(eval_fn(state, pipeline.global_array(next(batches), sharding, size)))
+                    for _ in range(config.train.eval_batches)
+                ]
+            )
+        )
+
+    if not config.data.sources:
+        return {"val_loss": mean_loss(pipeline.make_iterator(config, "val", rows, shuffle=False))}
+    alone = pipeline.source_iterators(config, rows)
+    found = {f"val_loss/{name}": mean_loss(batches) for name, batches in alone.items()}
+    weights = {s.name: s.weight for s in config_sources.parse(config.data.sources)}
+    total = sum(weights.values())
+    found["val_loss"] = sum(weights[n] / total * found[f"val_loss/{n}"] for n in alone)
+    return {"val_loss": found.pop("val_loss"), **found}
 
 
 def _step_row(step: int, metrics: dict[str, Any], throughput: dict, plan: dict) -> dict:
@@ -96,6 +112,7 @@ FIXED_ON_RESUME = (
     "train.seed",
     "data.source",
     "data.path",
+    "data.sources",
     "data.val_fraction",
 )
 
@@ -320,7 +337,11 @@ def _train(config, workdir: Path, layout, graphdef, placed, checkpoints, train_b
                     jax.profiler.start_trace(str(workdir / "profile"))
                 # Steps are dispatched asynchronously: this batch goes to the devices
                 # while the previous step still runs there.
-                batch = pipeline.global_array(next(train_batches), sharding, tc.batch_size)
+                try:  # the loader checks each batch's ids: a bad one stops here, in one line
+                    local = next(train_batches)
+                except ValueError as error:
+                    raise RunError(str(error)) from None
+                batch = pipeline.global_array(local, sharding, tc.batch_size)
                 if step == start + 1:
                     say("compiling the train step...")
                 state, metrics = step_fn(state, batch, rates[step - start - 1])
@@ -371,6 +392,8 @@ def _train(config, workdir: Path, layout, graphdef, placed, checkpoints, train_b
                     )
                     # The plan goes in the run's first row only (and config.json).
                     last = _step_row(step, metrics, throughput, plan)
+                    if hasattr(train_batches, "epochs"):  # a mixture: each source's epochs
+                        last.update(train_batches.epochs())
                     plan = {}
                     logger.write(last)
                     if config.moe.dropless and last.get("dropped_fraction", 0) > 0:
@@ -381,8 +404,7 @@ def _train(config, workdir: Path, layout, graphdef, placed, checkpoints, train_b
                         )
                     clock, clock_step = time.perf_counter(), step
                 if (tc.eval_every and step % tc.eval_every == 0) or step == tc.steps:
-                    val_loss = _evaluate(eval_fn, state, config, sharding, rows)
-                    val = {"step": step, "val_loss": val_loss}
+                    val = {"step": step, **_evaluate(eval_fn, state, config, sharding, rows)}
                     logger.write(val)
                     last = {**last, **val}
                     clock, clock_step = time.perf_counter(), step

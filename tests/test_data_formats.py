@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from moe_jax.data import pipeline, prepare, token_files
+from tests.commands import subprocess_env
 from tests.settings import make_config
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -158,13 +159,16 @@ def test_an_interrupted_prepare_is_never_taken_for_a_finished_one(tmp_path):
     output and preparing into it again are both refused in one line naming it."""
     source = write_jsonl(tmp_path / "d.jsonl", texts(40))
     out = tmp_path / "out"
-    pid = os.fork()
-    if pid == 0:  # the child dies at the worst moment, as under a power cut
-        prepare.write_meta = lambda *_: os.kill(os.getpid(), signal.SIGKILL)
-        prepare.main(["--input", str(source), "--output", str(out), "--shard_tokens", "300"])
-        os._exit(0)
-    _, status = os.waitpid(pid, 0)
-    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    # A child process (not a fork of this multithreaded one) dies at the worst moment,
+    # as under a power cut.
+    child = (
+        "import os, signal, sys; from moe_jax.data import prepare; "
+        "prepare.write_meta = lambda *_: os.kill(os.getpid(), signal.SIGKILL); "
+        "prepare.main(sys.argv[1:])"
+    )
+    args = ["--input", str(source), "--output", str(out), "--shard_tokens", "300"]
+    done = subprocess.run([sys.executable, "-c", child, *args], env=subprocess_env(), timeout=120)
+    assert done.returncode == -signal.SIGKILL
     assert (out / "train-00000.bin").is_file() and not (out / "meta.json").exists()
     with pytest.raises(ValueError, match=r"has no meta\.json") as excinfo:
         token_files.open_split(out, "train")

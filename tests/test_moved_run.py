@@ -142,3 +142,9 @@ def test_path_settings_are_stored_relative_to_the_run_when_near(tmp_path: Path, 
     # A checkpoint written before the rule (absolute) compares equal once re-stored.
     old = {"data": {"path": str(tmp_path / "project" / "data")}}
     assert paths.stored(paths.resolved(old, run), run)["data"]["path"] == "../../data"
+    # A mixture's directories follow the same rule, each entry's weight and name kept.
+    mixed = {"data": {"sources": f"data/web:0.7:web,{far}:0.3:code"}}
+    stored = paths.stored(mixed, run)["data"]["sources"]
+    assert stored == f"../../data/web:0.7:web,{far}:0.3:code"
+    back = paths.resolved({"data": {"sources": stored}}, run)["data"]["sources"]
+    assert back == f"{tmp_path / 'project' / 'data' / 'web'}:0.7:web,{far}:0.3:code"

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from moe_jax import config as config_lib
 from moe_jax import paths, saved_run
 from moe_jax.checkpoint import Checkpointer
+from moe_jax.config_sources import tokenizer_directory
 from moe_jax.convert import families, hf_export, hf_import
 from moe_jax.data.token_files import TOKENIZER_FILE, read_meta, tokenizer_spec
 from moe_jax.optimizer import make_optimizer
@@ -64,7 +65,8 @@ def _run_tokenizer(config: config_lib.Config) -> Path | None:
     if config.data.source != "tokens":
         return None
     try:
-        spec = tokenizer_spec(config.data.path, read_meta(config.data.path))
+        data = tokenizer_directory(config.data)  # data.path, or a mixture's first source
+        spec = tokenizer_spec(data, read_meta(data))
     except ValueError:  # the data is gone: the weights export without it
         return None
     return Path(spec) if spec != "byte" and Path(spec).is_file() else None

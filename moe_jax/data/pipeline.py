@@ -17,17 +17,19 @@ import jax
 import numpy as np
 
 from moe_jax.config import Config, DataConfig
+from moe_jax.data import mixture
 from moe_jax.data.corpus import stdlib_documents
 from moe_jax.data.synthetic import recurrence_tokens
 from moe_jax.data.token_files import (
-    META,
     max_id,
     open_split,
     read_meta,
     split_files,
-    verify_split,
+    split_version,
+    verify_once,
 )
 from moe_jax.data.tokenizer import ByteTokenizer
+from moe_jax.data.windows import PackedSequences
 
 _READ_OPTIONS = grain.ReadOptions(num_threads=2, prefetch_buffer_size=4)
 _SPLIT_CODES = {"train": 0, "val": 1}
@@ -61,7 +63,7 @@ def token_stream(data_cfg: DataConfig, split: str, vocab_size: int) -> tuple[np.
     if data_cfg.source == "tokens":
         tokens, meta = open_split(data_cfg.path, split)
         if data_cfg.verify:
-            _verify(data_cfg.path, split)
+            verify_once(data_cfg.path, split)
         if meta["vocab_size"] > vocab_size:
             raise ValueError(
                 f"model.vocab_size={vocab_size} is smaller than the vocab_size "
@@ -90,61 +92,15 @@ _LARGEST: dict[tuple, int] = {}  # (files, sizes, mtimes) -> the split's largest
 def _largest_id(path: str, split: str, tokens: np.ndarray) -> int:
     """The split's largest id, measured once per file version (evaluation reopens it)."""
     meta = read_meta(path)
-    key = _version(path, split, meta)
+    key = split_version(path, split, meta)
     if key not in _LARGEST:
         splits = meta.get("splits")
         _LARGEST[key] = max_id(tokens, splits.get(split) if isinstance(splits, dict) else None)
     return _LARGEST[key]
 
 
-def _version(path: str, split: str, meta: dict) -> tuple:
-    """What identifies one version of a split's files: their names, sizes and mtimes."""
-    files = [Path(path).absolute() / META, *split_files(Path(path).absolute(), split, meta)]
-    return tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
-
-
-_VERIFIED: set[tuple] = set()  # split versions whose checksums data.verify has checked
-
-
-def _verify(path: str, split: str) -> None:
-    """data.verify: the split's shards against their checksums, once per file version."""
-    meta = read_meta(path)
-    key = _version(path, split, meta)
-    if key not in _VERIFIED:
-        verify_split(path, split, meta)
-        _VERIFIED.add(key)
-
-
-class PackedSequences:
-    """Random-access source of non-overlapping windows of seq_len + 1 tokens (int32)."""
-
-    def __init__(self, tokens: np.ndarray, seq_len: int, name: str = "the split") -> None:
-        window = seq_len + 1
-        if len(tokens) < window:
-            raise ValueError(
-                f"{name} has {len(tokens)} tokens, fewer than one sequence of "
-                f"train.seq_len={seq_len} + 1"
-            )
-        self._tokens = tokens
-        self._window = window
-        self._len = len(tokens) // window
-
-    def __len__(self) -> int:
-        return self._len
-
-    def __getitem__(self, index: int) -> np.ndarray:
-        index = int(index)
-        if not 0 <= index < self._len:
-            raise IndexError(f"window {index} out of range [0, {self._len})")
-        start = index * self._window
-        return np.asarray(self._tokens[start : start + self._window], np.int32)
-
-    def rows(self, indices: np.ndarray) -> np.ndarray:
-        """The windows at `indices`, stacked into [len(indices), seq_len + 1]."""
-        return np.stack([self[i] for i in indices])
-
-
 def _pairs(windows: np.ndarray) -> dict[str, np.ndarray]:
+    """A batch of windows as {'inputs', 'targets'}: the one place windows become a batch."""
     return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
 
 
@@ -192,6 +148,11 @@ class Batches:
         self._iter.set_state(state["position"])
 
 
+def source_iterators(config: Config, rows: np.ndarray) -> dict[str, Any]:
+    """A mixture's sources' val splits, each alone and in order (`val_loss/<name>`)."""
+    return mixture.source_iterators(config, rows, _pairs)
+
+
 def local_rows(sharding: jax.sharding.Sharding, batch_size: int, seq_len: int) -> np.ndarray:
     """The global batch rows held by this process's devices, in order.
 
@@ -233,9 +194,17 @@ def make_iterator(
         ds = grain.MapDataset.range(1).repeat(None)
         ds = ds.map_with_index(functools.partial(_synthetic_rows, config, split, rows))
         return Batches(ds.to_iter_dataset(_READ_OPTIONS), identity)
+    if d.sources:  # a mixture: its windows become batches as these do (`_pairs`)
+        return mixture.make_iterator(config, split, rows, shuffle, _pairs)
     tokens, _ = token_stream(d, split, config.model.vocab_size)
     where = f"data.path={d.path}" if d.source == "tokens" else f"data.source={d.source!r}"
-    source = PackedSequences(tokens, t.seq_len, name=f"the {split} split of {where}")
+    checked = {}
+    if d.source == "tokens":
+        checked = {
+            "file": str(Path(d.path) / f"{split}.bin"),
+            "vocab_size": config.model.vocab_size,
+        }
+    source = PackedSequences(tokens, t.seq_len, name=f"the {split} split of {where}", **checked)
     identity["num_sequences"] = len(source)
     ds = grain.MapDataset.range(len(source))
     if shuffle:

@@ -211,3 +211,21 @@ def max_id(tokens: np.ndarray, entry: dict[str, Any] | None) -> int:
     for start in range(0, tokens.size, SCAN_CHUNK):
         found = max(found, int(tokens[start : start + SCAN_CHUNK].max()))
     return found
+
+
+def split_version(path: str, split: str, meta: dict) -> tuple:
+    """What identifies one version of a split's files: their names, sizes and mtimes."""
+    files = [Path(path).absolute() / META, *split_files(Path(path).absolute(), split, meta)]
+    return tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+
+
+_VERIFIED: set[tuple] = set()  # split versions whose checksums data.verify has checked
+
+
+def verify_once(path: str, split: str) -> None:
+    """data.verify: the split's shards against their checksums, once per file version."""
+    meta = read_meta(path)
+    key = split_version(path, split, meta)
+    if key not in _VERIFIED:
+        verify_split(path, split, meta)
+        _VERIFIED.add(key)
