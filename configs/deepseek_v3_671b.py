@@ -15,6 +15,7 @@ from moe_jax.config import (
     DataConfig,
     ModelConfig,
     MoEConfig,
+    ParallelConfig,
     TrainConfig,
     to_config_dict,
 )
@@ -86,6 +87,11 @@ def get_config():
                 eval_every=1000,
                 checkpoint_every=1000,
             ),
+            # The 129,280 x 7,168 table and head split over the intra group, as Megatron
+            # always splits them: whole, each device holds them in float32 with their
+            # gradients and the MTP module's own gradients of both, 30 GB
+            # (docs/planner-and-memory.md, "MLA and MTP").
+            parallel=ParallelConfig(vocab_parallel=True),
             # Real runs: --config.data.source=tokens --config.data.path=...
             data=DataConfig(source="synthetic"),
         )

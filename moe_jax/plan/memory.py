@@ -284,6 +284,21 @@ def piece_gradient_bytes(config: Config, micro_batch: int | None = None) -> int:
     return (pieces - 1) * 3 * (e.num_experts // expert) * z.h * f_local * FP32
 
 
+def gathered_expert_bytes(config: Config) -> int:
+    """Under parallel.expert_fsdp, the float32 weights an MoE block gathers over 'data'
+    for its local experts (gate, up and down, 3·E_l·h·f_l·4) and their float32 gradient
+    at that size before the reduce-scatter returns each device its share: twice that,
+    in the working set once (its bf16 cast is `expert_weights`). DeepSeek-V3 at full
+    width on 64 devices (tests/test_plan_memory.py): XLA's peak holds two gathered
+    f32[32, 7168, 2048] weights, three zeroed gradients of that shape and the casts."""
+    if not config.parallel.expert_fsdp:
+        return 0
+    e = config.moe
+    expert, tensor = registry.expert_split(config)
+    local = 3 * (e.num_experts // expert) * config.model.embed_dim * (e.expert_mlp_dim // tensor)
+    return 2 * local * FP32
+
+
 def _head_bytes(config: Config, z: _Sizes) -> int:
     """Final norm, head and cross-entropy of the last stage: the norm's float32 terms,
     the head's input t·h·B, and the float32 softmax of one loss chunk's logits t·V·4/C
@@ -365,12 +380,13 @@ def stage_activation_bytes(
     holding that unit's activations. With 'selective' (and 'offload', whose kept
     tensors wait in host memory) each unit keeps its named tensors and the backward
     rebuilds the rest of one unit at a time. An MoE stage's backward also holds
-    `piece_gradient_bytes`, in every mode."""
+    `piece_gradient_bytes` and `gathered_expert_bytes`, in every mode."""
     z = _sizes(config, micro_batch)
     per_unit = [unit_activation_bytes(config, unit, micro_batch) for unit in stage]
     head = _head_bytes(config, z) if last else 0
     moe = any(kind == "moe" for kind, _ in stage)
-    pieces = piece_gradient_bytes(config, micro_batch) if moe else 0
+    pieces = piece_gradient_bytes(config, micro_batch) + gathered_expert_bytes(config)
+    pieces = pieces if moe else 0
     remat = config.model.remat
     if remat == "full":
         return len(stage) * z.t * z.h * z.B + head, max(per_unit, default=0) + pieces
