@@ -136,7 +136,7 @@ def test_exact_resume_after_sigkill(tmp_path: Path):
     args = [*TINY, f"--config.train.steps={2 * n}", f"--config.train.checkpoint_every={n}"]
     args += ["--config.train.eval_every=0"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    done = subprocess.run(_train_cmd(straight, *args), cwd=ROOT, env=_env(), capture_output=True)
+    done = _train_cli(straight, *args, warm=True)
     assert done.returncode == 0, done.stderr[-3000:]
 
     proc = _start(_train_cmd(resumed, *args))
@@ -144,9 +144,7 @@ def test_exact_resume_after_sigkill(tmp_path: Path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (resumed / "checkpoints" / str(2 * n)).exists(), "killed too late to test resume"
-    again = subprocess.run(
-        _train_cmd(resumed, *args), cwd=ROOT, env=_env(), capture_output=True, text=True
-    )
+    again = _train_cli(resumed, *args, warm=True)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resumed from {resumed / 'checkpoints' / str(n)}" in again.stdout
 
@@ -388,6 +386,7 @@ def test_schedule_from_the_command_line_sets_each_step_rate(tmp_path: Path, sche
         "--config.train.checkpoint_every=0",
         f"--config.train.schedule={schedule}",
         "--config.train.wsd_decay_fraction=0.5",
+        warm=True,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     rows = [r for r in read_rows(tmp_path / "run" / "metrics.jsonl") if "lr" in r]
@@ -403,6 +402,7 @@ def test_warmup_as_long_as_the_run_warns_in_one_line(tmp_path: Path):
         "--config.train.steps=2",
         "--config.train.warmup_steps=2",
         "--config.train.eval_every=0",
+        warm=True,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     warnings = [line for line in run.stdout.splitlines() if line.startswith("warning:")]

@@ -28,7 +28,7 @@ def test_second_run_refuses_and_a_dead_runs_lock_is_taken_over(tmp_path: Path):
     first = _start(_train_cmd(run, *args, "--config.train.steps=100000"))
     _wait_for(lambda: (run / "checkpoints" / "2").is_dir(), 240, first)
 
-    second = _train_cli(run, *args, "--config.train.steps=4", timeout=120)
+    second = _train_cli(run, *args, "--config.train.steps=4", timeout=120, warm=True)
     assert second.returncode == 1
     assert "Traceback" not in second.stderr
     last = second.stderr.strip().splitlines()[-1]
@@ -37,7 +37,7 @@ def test_second_run_refuses_and_a_dead_runs_lock_is_taken_over(tmp_path: Path):
     first.send_signal(signal.SIGKILL)
     first.wait()
     step = max(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
-    third = _train_cli(run, *args, f"--config.train.steps={step + 2}", timeout=240)
+    third = _train_cli(run, *args, f"--config.train.steps={step + 2}", timeout=240, warm=True)
     assert third.returncode == 0, third.stderr[-3000:]
     assert f"took over {run} from process {first.pid}" in third.stdout
     assert f"resumed from {run / 'checkpoints' / str(step)}" in third.stdout
