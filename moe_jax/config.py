@@ -185,6 +185,10 @@ class DataConfig:
     source: str = "stdlib"  # stdlib (embedded corpus), tokens (prepared files) or synthetic
     path: str = ""  # directory written by `python -m moe_jax.data.prepare` (source=tokens)
     val_fraction: float = 0.05  # share of stdlib files held out for validation
+    # Attention within each document of a window, positions restarting at each, and no
+    # target predicted across a document boundary (docs/data.md); source=synthetic has
+    # no documents, so it has no effect there.
+    document_mask: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -469,6 +473,7 @@ def validate(config: Config) -> None:
         "data.source='tokens' needs the directory written by moe_jax.data.prepare",
     )
     _check(0 < d.val_fraction < 1, "data.val_fraction", d.val_fraction, "must be in (0, 1)")
+    config_rules.validate_documents(config)
     config_rules.validate_parallel(config.parallel)
     config_rules.check_meaningful(config)
 
