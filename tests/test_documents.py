@@ -148,7 +148,7 @@ def test_packed_documents_as_alone_single_device(impl, base):
 
 LAYOUTS = {
     "dp": dict(attention="dp", data=8),
-    "fsdp": dict(attention="fsdp", data=8),
+    "fsdp": dict(attention="fsdp", data=2, intra=4),
     "tp": dict(attention="tp", data=2, intra=4),
     "tp-ring": dict(attention="tp", data=2, intra=4, collective_matmul=True),
     "sp": dict(attention="sp", data=2, intra=4),
@@ -176,7 +176,7 @@ def _masked_loss(logits: np.ndarray, batch: dict) -> float:
 def test_packed_documents_through_a_two_stage_pipeline():
     """The pipelined step's loss (per device, micro-batches through 2 stages) is the
     masked loss of the documents run alone; without the mask it is not."""
-    plan = dict(attention="dp", data=4, stages=2, microbatches=4)
+    plan = dict(attention="dp", data=4, stages=2, microbatches=2)
     config, layout = _laid_out(BASE, **plan)
     batch = _packed_batch()
     want = _masked_loss(_alone(BASE), batch)

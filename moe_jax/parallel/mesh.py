@@ -55,7 +55,7 @@ def make_layout(config: Config, mesh: Mesh) -> Layout:
         pipeline_run=pipeline.run if config.parallel.stages > 1 else None,
         microbatches=config.parallel.microbatches,
         repeats=config.parallel.repeats,
-        documents=documents_masked(config),
+        documents=documents_masked(config.data),
     )
 
 
