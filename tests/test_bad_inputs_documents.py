@@ -19,7 +19,7 @@ CASES = [
        "data.document_mask=false"),
     _c("train_document_mask_not_a_bool", "train",
        [*TINY, WORKDIR, "--config.data.document_mask=2"],
-       "data.document_mask=2 is invalid: must be of type bool"),
+       "--config.data.document_mask=2", "Non-boolean argument to boolean flag"),
 ]  # fmt: skip
 
 
