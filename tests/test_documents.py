@@ -20,6 +20,8 @@ from moe_jax.data.documents import document_fields
 from moe_jax.data.tokenizer import ByteTokenizer
 from moe_jax.kernels import blockwise_attention as bw
 from moe_jax.kernels.attention import xla_attention
+from moe_jax.model.loss import with_loss_weights
+from moe_jax.model.mtp import with_targets
 from moe_jax.parallel import mesh as mesh_lib
 from moe_jax.parallel import per_device_step
 from moe_jax.parallel.layout import SINGLE_DEVICE
@@ -200,3 +202,12 @@ def test_packed_documents_through_a_two_stage_pipeline():
 
     assert abs(loss(True) - want) < 1e-5
     assert abs(loss(False) - want) > 1e-3
+
+
+def test_loss_weights_count_only_targets_within_a_document():
+    """The main loss's weights and MTP's per depth, by hand: mask · b·s / count."""
+    batch = {"targets": np.zeros((1, 6), np.int32), "loss_mask": np.array([[1, 1, 0, 1, 1, 1]])}
+    np.testing.assert_allclose(with_loss_weights(batch)["weights"], [[1.2, 1.2, 0, 1.2, 1.2, 1.2]])
+    depth1, depth2 = with_targets(batch, 2)["mtp"]["weights"]
+    np.testing.assert_allclose(depth1, [[2, 0, 0, 2, 2, 0]])  # inputs i, i+1 in one document
+    np.testing.assert_allclose(depth2, [[0, 0, 0, 6, 0, 0]])  # and i+2, inside the window
