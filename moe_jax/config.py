@@ -189,6 +189,10 @@ class DataConfig:
     # A mixture of prepared directories instead of data.path, drawn by weight per window:
     # DIR:WEIGHT:NAME,DIR:WEIGHT:NAME (moe_jax.config_sources, moe_jax.data.mixture).
     sources: str = ""
+    # Attention within each document of a window, positions restarting at each, and no
+    # target predicted across a document boundary (docs/data.md); source=synthetic has
+    # no documents, so it has no effect there.
+    document_mask: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -470,6 +474,7 @@ def validate(config: Config) -> None:
     _check(d.source in DATA_SOURCES, "data.source", d.source, f"valid: {DATA_SOURCES}")
     config_sources.validate(d)
     _check(0 < d.val_fraction < 1, "data.val_fraction", d.val_fraction, "must be in (0, 1)")
+    config_rules.validate_documents(config)
     config_rules.validate_parallel(config.parallel)
     config_rules.check_meaningful(config)
 

@@ -172,6 +172,11 @@ MEANINGS: dict[str, str] = {
         "(DIR, WEIGHT, NAME) in a config file), windows drawn by weight, `val_loss/<name>` "
         "per source; with `source=tokens` ([data](data.md#mixtures))"
     ),
+    "data.document_mask": (
+        "attention within each document of a window, positions restarting at each, no "
+        "target across a boundary ([data](data.md#packing-and-document-masks)); "
+        "`false`: today's windows exactly; no effect with `source=synthetic`"
+    ),
     "parallel.layout": (
         "`manual`: the settings below; `auto`: the planner (`python -m moe_jax.plan`) chooses "
         "attention, experts, intra, data, zero, etp, overlap and pipeline for the devices at hand"

@@ -173,6 +173,19 @@ def validate_mtp(config: Config) -> None:
     check(t.mtp_loss_weight >= 0, "train.mtp_loss_weight", t.mtp_loss_weight, "must be >= 0")
 
 
+def validate_documents(config: Config) -> None:
+    """A document mask needs an attention implementation that can apply it: this jax's
+    cuDNN attention takes no segment ids (`moe_jax.kernels.attention`)."""
+    d, impl = config.data, config.model.attention_impl
+    check(
+        not (d.document_mask and d.source != "synthetic" and impl == "cudnn"),
+        "model.attention_impl",
+        impl,
+        "this jax's cuDNN attention takes no segment ids, so it cannot mask documents: "
+        "set model.attention_impl=blockwise or xla, or data.document_mask=false",
+    )
+
+
 def profile_steps(steps: str) -> tuple[int, int] | None:
     """The [start, stop) steps of `profile.steps` to trace, or None when profiling is off."""
     if not steps:

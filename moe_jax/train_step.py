@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 from moe_jax import optimizer
 from moe_jax.config import Config
 from moe_jax.model import mtp as mtp_lib
-from moe_jax.model.loss import loss_chunks
+from moe_jax.model.loss import loss_chunks, with_loss_weights
 from moe_jax.moe.balancing import update_biases
 from moe_jax.parallel import grad_exchange, per_device_step
 from moe_jax.parallel import mesh as mesh_lib
@@ -59,15 +59,19 @@ def loss_fn(params, biases, graphdef, batch, config: Config, mtp: bool = True):
     model = nnx.merge(graphdef, params, biases)
     chunks = loss_chunks(config, *batch["inputs"].shape)
     mtp_load = None
+    batch = with_loss_weights(batch)  # under a document mask: only counted targets
+    positions, weights = batch.get("positions"), batch.get("weights")
     if mtp and config.model.mtp_depth:
         batch = mtp_lib.with_targets(batch, config.model.mtp_depth)
         lm_loss, mtp_loss, (stats, mtp_load) = mtp_lib.losses(model, batch, chunks)
     elif chunks == 1 and model.layout.chunk_loss is None:
-        logits, stats = model(batch["inputs"])
+        logits, stats = model(batch["inputs"], positions)
         lm_loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-        lm_loss = lm_loss.mean()
+        lm_loss = (lm_loss if weights is None else lm_loss * weights).mean()
     else:
-        lm_loss, stats = model.chunked_loss(batch["inputs"], batch["targets"], chunks)
+        lm_loss, stats = model.chunked_loss(
+            batch["inputs"], batch["targets"], chunks, positions, weights
+        )
     metrics = {"lm_loss": lm_loss}
     loss = lm_loss
     if mtp and config.model.mtp_depth:
@@ -122,6 +126,7 @@ def gradients(state: TrainState, graphdef, batch, config: Config):
     summed there (placed as it leaves them)."""
     layout = _layout(graphdef, state)
     batch = mtp_lib.with_targets(batch, config.model.mtp_depth)  # while sequences are whole
+    batch = with_loss_weights(batch)  # while the batch is whole
     if not per_device_step.runs_per_device(layout):
         return accumulated(state.params, state.biases, graphdef, batch, config, loss_fn)
     specs = _param_specs(state, layout)

@@ -92,6 +92,7 @@ def _attention_temp_bytes(attention: str, impl: str, s: int) -> int:
         base = Config(model=MEMORY_MODEL, train=layouts.BASE.train)
         config = check_plan(layouts.with_plan(attention, 1, 8, "ep_a2a", base=base), 8)
         layout = mesh_lib.make_layout(config, mesh_lib.make_mesh(config))
+        layout = dataclasses.replace(layout, documents=False)  # one sequence, no documents
         shard = functools.partial(NamedSharding, layout.mesh)
     m, spec = MEMORY_MODEL, layout.activation_spec()
 
@@ -107,7 +108,8 @@ def _attention_temp_bytes(attention: str, impl: str, s: int) -> int:
     x = abstract((1, s, m.embed_dim), spec)
     positions = abstract((1, s), jax.sharding.PartitionSpec(*spec[:2]), jnp.int32)
     block = AttentionBlock(m.rope_theta)
-    attend = attention_fn(impl, "float32")
+    core = attention_fn(impl, "float32")
+    attend = lambda q, k, v, _: core(q, k, v)
 
     def loss(x, positions, weights):
         out = layout.attention(block, x, positions, weights, held_axes(weights), attend)
@@ -184,7 +186,9 @@ def _one_line_error(call, match: str) -> None:
 
 
 def test_cudnn_that_cannot_run_fails_in_one_line_before_compiling():
-    cudnn = make_config({"model.attention_impl": "cudnn", "model.dtype": "bfloat16"})
+    cudnn = make_config(
+        {"model.attention_impl": "cudnn", "model.dtype": "bfloat16", "data.document_mask": False}
+    )
     _one_line_error(
         lambda: check_plan(cudnn, 8, "cpu"),
         r"model\.attention_impl='cudnn' .*GPU only, not cpu; use 'blockwise', 'xla' or 'auto'",

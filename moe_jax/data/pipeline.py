@@ -19,6 +19,7 @@ import numpy as np
 from moe_jax.config import Config, DataConfig
 from moe_jax.data import mixture
 from moe_jax.data.corpus import stdlib_documents
+from moe_jax.data.documents import document_fields, masked
 from moe_jax.data.synthetic import recurrence_tokens
 from moe_jax.data.token_files import (
     max_id,
@@ -104,8 +105,24 @@ def _pairs(windows: np.ndarray) -> dict[str, np.ndarray]:
     return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
 
 
-def _packed_rows(source: PackedSequences, rows: np.ndarray, indices: np.ndarray) -> dict:
-    return _pairs(source.rows(indices[rows]))
+def _packed_rows(
+    source: PackedSequences, rows: np.ndarray, eos_id: int | None, indices: np.ndarray
+) -> dict:
+    """The windows' pairs, with their document fields when `eos_id` is given."""
+    pairs = _pairs(source.rows(indices[rows]))
+    if eos_id is None:
+        return pairs
+    return {**pairs, **document_fields(pairs["inputs"], eos_id)}
+
+
+def eos_id(data_cfg: DataConfig) -> int | None:
+    """The id that ends each document of the source, or None when its windows carry
+    no document fields (data.document_mask off, or a source without documents)."""
+    if not masked(data_cfg):
+        return None
+    if data_cfg.source == "stdlib":
+        return ByteTokenizer.eos_id
+    return int(read_meta(data_cfg.path)["eos_id"])
 
 
 def _synthetic_rows(config: Config, split: str, rows: np.ndarray, index: int, _: Any) -> dict:
@@ -184,6 +201,7 @@ def make_iterator(
         raise ValueError(f"rows {rows.tolist()} are not rows of train.batch_size={t.batch_size}")
     identity: dict[str, Any] = {
         "source": d.source,
+        **({"document_mask": True} if eos_id(d) is not None else {}),
         "split": split,
         "batch_size": t.batch_size,
         "seq_len": t.seq_len,
@@ -212,7 +230,7 @@ def make_iterator(
     # Endless in practice; a finite count because grain's length of an endless dataset
     # batched by 1 overflows (the same order: grain reseeds each epoch either way).
     ds = ds.repeat(2**62 // max(1, len(source))).batch(t.batch_size)
-    ds = ds.map(functools.partial(_packed_rows, source, rows))
+    ds = ds.map(functools.partial(_packed_rows, source, rows, eos_id(d)))
     return Batches(ds.to_iter_dataset(_READ_OPTIONS), identity)
 
 

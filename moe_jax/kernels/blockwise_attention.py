@@ -17,6 +17,11 @@ by the kv head they share, so k and v are never repeated. Scores are scaled by
 `scale` (default 1/sqrt(head_dim), else the model's, e.g. MLA's with YaRN).
 Softmax statistics and accumulators are float32 whatever the input
 dtype; outputs and gradients come back in the inputs' dtypes.
+
+With `positions` [b, s] (0 at each document's first token) query i sees keys
+i - positions[i] .. i only, and the loops skip the key blocks that hold none of
+a query block's documents (`block_ranges`): a window of many short documents
+visits about s·(document length)/c² blocks instead of (s/c)²/2.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from moe_jax.kernels.varying import varying_zeros
@@ -67,13 +73,44 @@ def _scaled(x: jax.Array, d: int, scale: float | None) -> jax.Array:
     return x / math.sqrt(d) if scale is None else x * scale
 
 
-def _scores(qi, kj, i, j, c: int, scale: float | None) -> jax.Array:
+def _scores(qi, kj, i, j, c: int, scale: float | None, first=None) -> jax.Array:
     """Scaled, causally masked float32 scores [b, c, kv, group, c] of query block i
-    ([b, c, kv, group, d]) against key block j ([b, c, kv, d])."""
+    ([b, c, kv, group, d]) against key block j ([b, c, kv, d]); with `first` [b, s]
+    (each query's document start) masked to the query's document too."""
     scores = _scaled(_dot("bqkgd,bckd->bqkgc", qi, kj), qi.shape[-1], scale)
     rows, cols = i * c + jnp.arange(c), j * c + jnp.arange(c)
-    visible = rows[:, None] >= cols[None, :]
-    return jnp.where(visible[None, :, None, None, :], scores, -jnp.inf)
+    visible = (rows[:, None] >= cols[None, :])[None]
+    if first is not None:
+        visible = visible & (cols[None, None, :] >= _block(first, i, c)[:, :, None])
+    return jnp.where(visible[:, :, None, None, :], scores, -jnp.inf)
+
+
+def document_starts(positions: jax.Array | None) -> jax.Array | None:
+    """[b, s] index of each token's document start (None without documents)."""
+    if positions is None:
+        return None
+    return jnp.arange(positions.shape[-1]) - positions
+
+
+def block_ranges(first: jax.Array | None, s: int, c: int) -> tuple[jax.Array, jax.Array]:
+    """([s/c] first key block each query block visits, [s/c] one past the last query
+    block each key block is visited by): the blocks between hold a shared document
+    of some row (document starts only grow along a row, so a block's first row has
+    the earliest). Without documents: 0 and s/c, the causal loops."""
+    blocks = s // c
+    if first is None:
+        return jnp.zeros(blocks, jnp.int32), jnp.full(blocks, blocks, jnp.int32)
+    low = first[:, ::c].min(0) // c
+    last_key = (jnp.arange(blocks) + 1) * c - 1
+    reach = (first[:, :, None] <= last_key).sum(1).max(0)  # rows seeing key block j
+    return low.astype(jnp.int32), ((reach - 1) // c + 1).astype(jnp.int32)
+
+
+def visited_blocks(positions, s: int) -> int:
+    """How many (query block, key block) pairs the forward computes (NumPy: no program)."""
+    c = block_size(s)
+    low, _ = block_ranges(None if positions is None else np.arange(s) - positions, s, c)
+    return int((np.arange(s // c) + 1 - np.asarray(low)).sum())
 
 
 def _grouped(q: jax.Array, kv_heads: int) -> jax.Array:
@@ -82,12 +119,14 @@ def _grouped(q: jax.Array, kv_heads: int) -> jax.Array:
     return q.reshape(b, s, kv_heads, h // kv_heads, d)
 
 
-def _forward(q, k, v, scale: float | None = None) -> tuple[jax.Array, jax.Array]:
+def _forward(q, k, v, scale: float | None = None, positions=None) -> tuple[jax.Array, jax.Array]:
     """(out [b, s, heads, dv], logsumexp [b, s, kv, group] float32)."""
     qg = _grouped(q, k.shape[2])
     b, s, kv, g, _ = qg.shape
     d = v.shape[-1]  # the output's width: the values'
     c = block_size(s)
+    first = document_starts(positions)
+    low, _ = block_ranges(first, s, c)
 
     def query_block(i, carry):
         out, lse = carry
@@ -97,18 +136,21 @@ def _forward(q, k, v, scale: float | None = None) -> tuple[jax.Array, jax.Array]
             """Online softmax: the row maximum so far, the sum of exp(score - maximum)
             and the output's numerator, rescaled whenever the maximum grows."""
             top, total, acc = state
-            scores = _scores(qi, _block(k, j, c), i, j, c, scale)
+            scores = _scores(qi, _block(k, j, c), i, j, c, scale, first)
             new_top = jnp.maximum(top, scores.max(-1))
-            p = jnp.exp(scores - new_top[..., None])
-            rescale = jnp.exp(top - new_top)
+            # A row whose document starts past this block sees none of it yet: -inf.
+            safe = jnp.where(jnp.isneginf(new_top), 0.0, new_top)
+            p = jnp.exp(scores - safe[..., None])
+            rescale = jnp.exp(top - safe)
             acc = rescale[..., None] * acc + _dot("bqkgc,bckd->bqkgd", p, _block(v, j, c))
             return new_top, rescale * total + p.sum(-1), acc
 
         rows = (b, c, kv, g)
         zeros = _zeros(rows, q, k, v)
         init = (zeros - jnp.inf, zeros, _zeros((*rows, d), q, k, v))
-        # Key blocks 0..i only: those above the diagonal are fully masked.
-        top, total, acc = jax.lax.fori_loop(0, i + 1, key_block, init)
+        # Key blocks low..i only: those above the diagonal, or before the block's
+        # earliest document, are fully masked.
+        top, total, acc = jax.lax.fori_loop(low[i], i + 1, key_block, init)
         return _put(out, acc / total[..., None], i, c), _put(lse, top + jnp.log(total), i, c)
 
     out = (
@@ -121,7 +163,7 @@ def _forward(q, k, v, scale: float | None = None) -> tuple[jax.Array, jax.Array]
     return out.reshape(*q.shape[:-1], d), lse
 
 
-def _backward(q, k, v, out, lse, grad, scale: float | None = None):
+def _backward(q, k, v, out, lse, grad, scale: float | None = None, positions=None):
     """FlashAttention-2's backward: dq accumulated over key blocks, each key block's
     dk and dv over the query blocks that see it (summed over the group's heads)."""
     kv = k.shape[2]
@@ -129,6 +171,8 @@ def _backward(q, k, v, out, lse, grad, scale: float | None = None):
     b, s, _, _, d = qg.shape
     v_width = v.shape[-1]
     c = block_size(s)
+    first = document_starts(positions)
+    _, high = block_ranges(first, s, c)
     # rowsum(dO * O): the softmax's backward term, per row.
     delta = jnp.einsum("bskgd,bskgd->bskg", dog.astype(F32), og.astype(F32))
 
@@ -139,7 +183,7 @@ def _backward(q, k, v, out, lse, grad, scale: float | None = None):
         def query_block(i, state):
             dq, dkj, dvj = state
             qi, doi = _block(qg, i, c), _block(dog, i, c)
-            p = jnp.exp(_scores(qi, kj, i, j, c, scale) - _block(lse, i, c)[..., None])
+            p = jnp.exp(_scores(qi, kj, i, j, c, scale, first) - _block(lse, i, c)[..., None])
             dvj += _dot("bqkgc,bqkgd->bckd", p, doi)
             dp = _dot("bqkgd,bckd->bqkgc", doi, vj)
             ds = _scaled(p * (dp - _block(delta, i, c)[..., None]), d, scale)
@@ -152,8 +196,9 @@ def _backward(q, k, v, out, lse, grad, scale: float | None = None):
             _zeros((b, c, kv, d), q, k, v, grad),
             _zeros((b, c, kv, v_width), q, k, v, grad),
         )
-        # Query blocks j.. only: those before the diagonal do not see key block j.
-        dq, dkj, dvj = jax.lax.fori_loop(j, s // c, query_block, init)
+        # Query blocks j..high only: those before the diagonal, or whose documents all
+        # start after key block j, do not see it.
+        dq, dkj, dvj = jax.lax.fori_loop(j, high[j], query_block, init)
         return dq, _put(dk, dkj, j, c), _put(dv, dvj, j, c)
 
     init = (_zeros(qg.shape, q, k, v, grad), jnp.zeros_like(k), jnp.zeros_like(v))
@@ -163,20 +208,25 @@ def _backward(q, k, v, out, lse, grad, scale: float | None = None):
 
 @partial(jax.custom_vjp, nondiff_argnums=(3,))
 def blockwise_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, scale: float | None = None
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    scale: float | None = None,
+    positions: jax.Array | None = None,
 ) -> jax.Array:
     """Causal GQA attention, like `jax.nn.dot_product_attention(q, k, v, is_causal=True,
-    scale=scale)`, with v's width free."""
-    return _forward(q, k, v, scale)[0]
+    scale=scale)`, with v's width free; within documents where `positions` are given."""
+    return _forward(q, k, v, scale, positions)[0]
 
 
-def _fwd(q, k, v, scale):
-    out, lse = (checkpoint_name(t, RESIDUALS) for t in _forward(q, k, v, scale))
-    return out, (q, k, v, out, lse)
+def _fwd(q, k, v, scale, positions):
+    out, lse = (checkpoint_name(t, RESIDUALS) for t in _forward(q, k, v, scale, positions))
+    return out, (q, k, v, out, lse, positions)
 
 
 def _bwd(scale, residuals, grad):
-    return _backward(*residuals, grad, scale)
+    *arrays, positions = residuals
+    return (*_backward(*arrays, grad, scale, positions), None)
 
 
 blockwise_attention.defvjp(_fwd, _bwd)

@@ -117,7 +117,7 @@ class AttentionBlock:
         w = cast_like(w, x)
         q, k, v = self.project(x, w)
         q, k = self.rotate(q, k, positions)
-        return self.out(attend(q, k, v), w)
+        return self.out(attend(q, k, v, positions), w)
 
 
 class Attention(nnx.Module):
@@ -165,6 +165,11 @@ class Attention(nnx.Module):
         w, block = self.weights(), self.block()
         # Chosen when traced, for the backend it is traced for (a config for another
         # platform can still be built and planned here).
-        core = attention_fn(self.attention_impl, self.dtype)
-        attend = lambda q, k, v: core(*remat.tag((q, k, v), remat.QKV))
+        documents = self.layout.documents
+        core = attention_fn(self.attention_impl, self.dtype, documents=documents)
+
+        def attend(q, k, v, positions):
+            masked = {"positions": positions} if documents else {}
+            return core(*remat.tag((q, k, v), remat.QKV), **masked)
+
         return self.layout.attention(block, x, positions, w, held_axes(w), attend)

@@ -56,6 +56,18 @@ def cross_entropy_sum(
     return (losses if weights is None else losses * weights).sum()
 
 
+def with_loss_weights(batch: dict) -> dict:
+    """`batch` with float32 'weights' [b, s] from its 'loss_mask' (a document mask's):
+    mask · b·s / (masked targets), so that a mean over all b·s positions is the mean
+    over the counted targets. Made where the whole batch is, so that micro-batches and
+    devices, each dividing by its own b·s, still average to that mean. Unchanged
+    without a loss mask or with weights already."""
+    if "loss_mask" not in batch or "weights" in batch:
+        return batch
+    mask = jnp.asarray(batch["loss_mask"]).astype(jnp.float32)
+    return {**batch, "weights": mask * (mask.size / jnp.maximum(mask.sum(), 1.0))}
+
+
 # (x, head, targets[, weights]) -> the chunk's summed (weighted) cross-entropy
 ChunkLoss = Callable[..., jax.Array]
 

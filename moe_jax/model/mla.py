@@ -160,7 +160,7 @@ class MLABlock:
         w = cast_like(w, x)
         q, k, v = self.project(x, w)
         q, k = self.rotate(q, k, positions)
-        return self.out(attend(q, k, v), w)
+        return self.out(attend(q, k, v, positions), w)
 
 
 class MLAttention(nnx.Module):
@@ -212,7 +212,17 @@ class MLAttention(nnx.Module):
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         w, block = self.weights(), self.block()
         # Chosen when traced, for the backend it is traced for (see `Attention`).
-        core = attention_fn(self.cfg.attention_impl, self.cfg.dtype, width=mla_head_width(self.cfg))
+        documents = self.layout.documents
+        core = attention_fn(
+            self.cfg.attention_impl,
+            self.cfg.dtype,
+            width=mla_head_width(self.cfg),
+            documents=documents,
+        )
         scale = block.softmax_scale
-        attend = lambda q, k, v: core(*remat.tag((q, k, v), remat.QKV), scale=scale)
+
+        def attend(q, k, v, positions):
+            masked = {"positions": positions} if documents else {}
+            return core(*remat.tag((q, k, v), remat.QKV), scale=scale, **masked)
+
         return self.layout.attention(block, x, positions, w, held_axes(w), attend)

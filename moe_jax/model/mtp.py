@@ -49,10 +49,26 @@ def with_targets(batch: dict, depth: int) -> dict:
     targets = batch["targets"]
     b, s = targets.shape
     ahead = [targets] + [jnp.pad(targets[:, k:], ((0, 0), (0, k))) for k in range(1, depth + 1)]
-    valid = lambda k: jnp.where(jnp.arange(s) < s - k, s / (s - k), 0.0).astype(jnp.float32)
-    weights = [jnp.broadcast_to(valid(k), (b, s)) for k in range(1, depth + 1)]
+    if "loss_mask" in batch:
+        weights = _document_weights(jnp.asarray(batch["loss_mask"]), depth)
+    else:
+        valid = lambda k: jnp.where(jnp.arange(s) < s - k, s / (s - k), 0.0).astype(jnp.float32)
+        weights = [jnp.broadcast_to(valid(k), (b, s)) for k in range(1, depth + 1)]
     mtp = {"inputs": tuple(ahead[:-1]), "targets": tuple(ahead[1:]), "weights": tuple(weights)}
     return {**batch, "mtp": mtp}
+
+
+def _document_weights(loss_mask: jax.Array, depth: int) -> list[jax.Array]:
+    """Per depth k the weights of a document mask: t_{i+k+1} counts when it lies in the
+    document of input i (no EOS among inputs i..i+k) and inside the sequence, each
+    count scaled so a mean over all b·s positions is the mean over the counted ones."""
+    same = loss_mask.astype(bool)
+    out = []
+    for k in range(1, depth + 1):
+        same = same & jnp.pad(loss_mask[:, k:].astype(bool), ((0, 0), (0, k)))
+        counted = same.astype(jnp.float32)
+        out.append(counted * (counted.size / jnp.maximum(counted.sum(), 1.0)))
+    return out
 
 
 class MTPLayer(nnx.Module):
@@ -107,20 +123,21 @@ def losses(model, batch: dict, chunks: int):
     MTP term, and the MoE stats of the stack followed by those of the MTP modules
     (`merged`). Under a pipeline the modules run once per micro-batch
     (`Layout.microbatched`), as its stack does."""
-    x, stats = model.features(batch["inputs"])
-    lm_loss = model.head_loss(x, batch["targets"], chunks)
+    given = batch.get("positions")  # a document mask's, else None
+    x, stats = model.features(batch["inputs"], given)
+    lm_loss = model.head_loss(x, batch["targets"], chunks, batch.get("weights"))
     dtype = jnp.dtype(model.cfg.dtype)
 
-    def run(x, mtp):
+    def run(x, mtp, given):
         return model.mtp(
             x,
             mtp,
             lambda tokens: model.embed(tokens, dtype),
-            model.layout.positions,
+            lambda tokens: model.layout.positions(tokens, given),
             lambda x, targets, weights: model.head_loss(x, targets, chunks, weights),
         )
 
-    mtp_loss, mtp_stats = model.layout.microbatched(run, x, batch["mtp"])
+    mtp_loss, mtp_stats = model.layout.microbatched(run, x, batch["mtp"], given)
     return lm_loss, mtp_loss, merged(stats, mtp_stats)
 
 

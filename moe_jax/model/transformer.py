@@ -139,10 +139,14 @@ class Transformer(nnx.Module):
         # Multi-token prediction modules, made last so the rest is drawn as without them.
         self.mtp = MTP(cfg, moe, Block, rngs=rngs, layout=layout) if cfg.mtp_depth else None
 
-    def features(self, tokens: jax.Array) -> tuple[jax.Array, MoEStats | None]:
-        """tokens [batch, seq] -> (the final-normed hidden states, stacked MoE stats)."""
+    def features(
+        self, tokens: jax.Array, positions: jax.Array | None = None
+    ) -> tuple[jax.Array, MoEStats | None]:
+        """tokens [batch, seq] -> (the final-normed hidden states, stacked MoE stats);
+        `positions` [batch, seq]: each token's in its document (a batch's 'positions'
+        under a document mask), else 0, 1, 2, ..."""
         dtype = jnp.dtype(self.cfg.dtype)
-        positions = self.layout.positions(tokens)
+        positions = self.layout.positions(tokens, positions)
         x = self.embed(tokens, dtype)
         stats = None
         if self.dense is not None:
@@ -159,14 +163,19 @@ class Transformer(nnx.Module):
         return self.head[...].astype(dtype)
 
     def chunked_loss(
-        self, tokens: jax.Array, targets: jax.Array, chunks: int
+        self,
+        tokens: jax.Array,
+        targets: jax.Array,
+        chunks: int,
+        positions: jax.Array | None = None,
+        weights: jax.Array | None = None,
     ) -> tuple[jax.Array, MoEStats | None]:
         """(mean next-token cross-entropy over `chunks` chunks of the sequence, MoE stats):
         float32 [batch, seq, vocab] logits never exist (`moe_jax.model.loss`). A layout
         that splits the vocabulary computes each chunk over its shards of the head, which
-        it gets as stored."""
-        x, stats = self.features(tokens)
-        return self.head_loss(x, targets, chunks), stats
+        it gets as stored. `weights` as `head_loss`'s (a document mask's)."""
+        x, stats = self.features(tokens, positions)
+        return self.head_loss(x, targets, chunks, weights), stats
 
     def head_loss(
         self, x: jax.Array, targets: jax.Array, chunks: int, weights: jax.Array | None = None
@@ -180,9 +189,11 @@ class Transformer(nnx.Module):
         head = self.embed.table[...].T if self.head is None else self.head[...]
         return chunked_cross_entropy(x, head, targets, chunks, split, weights)
 
-    def __call__(self, tokens: jax.Array) -> tuple[jax.Array, MoEStats | None]:
+    def __call__(
+        self, tokens: jax.Array, positions: jax.Array | None = None
+    ) -> tuple[jax.Array, MoEStats | None]:
         """tokens [batch, seq] -> (logits [batch, seq, vocab] float32, stacked MoE stats)."""
-        x, stats = self.features(tokens)
+        x, stats = self.features(tokens, positions)
         logits = jnp.einsum(
             "bsd,dv->bsv", x, self.output_weights(), preferred_element_type=jnp.float32
         )

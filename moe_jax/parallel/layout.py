@@ -120,6 +120,9 @@ class Layout:
     # every array is then already one device's piece, so a block's own shard_map is a
     # plain call of its body and a loss is one device's share.
     per_device: bool = False
+    # data.document_mask on a source with documents: the batch's positions restart at
+    # each document and attention stays within one (`moe_jax.data.documents`).
+    documents: bool = False
 
     @property
     def stages(self) -> int:
@@ -146,10 +149,15 @@ class Layout:
             return body
         return jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)
 
-    def positions(self, tokens: jax.Array) -> jax.Array:
+    def positions(self, tokens: jax.Array, given: jax.Array | None = None) -> jax.Array:
         """Sequence positions of `tokens` [b, s]: as the attention blocks are handed them.
         Per device (inside the step-wide shard_map) that is the device's own block of
-        positions, or the whole sequence for a layout whose blocks gather it."""
+        positions, or the whole sequence for a layout whose blocks gather it. Under
+        `documents`: `given` (the batch's per-document positions; 0, 1, 2, ... for a
+        batch without them), handed whole-sequence wherever the sequence is split,
+        gathered here once per step."""
+        if self.documents:
+            return self._document_positions(tokens, given)
         b, s = tokens.shape
         start = 0
         if self.per_device and self.seq_axes:
@@ -158,6 +166,19 @@ class Layout:
             else:
                 start = jax.lax.axis_index(self.seq_axes) * s
         return jnp.broadcast_to(start + jnp.arange(s), (b, s))
+
+    def _document_positions(self, tokens: jax.Array, given: jax.Array | None) -> jax.Array:
+        split = self.per_device and bool(self.seq_axes)
+        if given is None:  # one document per row
+            b, s = tokens.shape
+            s *= self.size(self.seq_axes) if split else 1
+            return jnp.broadcast_to(jnp.arange(s), (b, s))
+        if not self.seq_axes:
+            return given
+        if split:
+            return jax.lax.all_gather(given, self.seq_axes, axis=1, tiled=True)
+        whole = jax.sharding.NamedSharding(self.mesh, P(self.batch_axes or None, None))
+        return jax.lax.with_sharding_constraint(given, whole)
 
     def microbatched(self, fn, *args):
         """`fn(*args)` -> a tree of means, for what runs after the pipelined stack but is

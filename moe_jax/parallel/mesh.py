@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moe_jax.config import Config
+from moe_jax.data.documents import masked as documents_masked
 from moe_jax.parallel import pipeline, registry
 from moe_jax.parallel.layout import DATA, MESH_AXES, STAGE, Layout, axes_of
 
@@ -54,6 +55,7 @@ def make_layout(config: Config, mesh: Mesh) -> Layout:
         pipeline_run=pipeline.run if config.parallel.stages > 1 else None,
         microbatches=config.parallel.microbatches,
         repeats=config.parallel.repeats,
+        documents=documents_masked(config.data),
     )
 
 

@@ -104,7 +104,12 @@ def _run(layout: Layout, run_group, params, rest, x, positions, bubble: float):
     me = jax.lax.axis_index(STAGE)
     first = me == 0
     xs = x.reshape(k, x.shape[0] // k, *x.shape[1:])
-    positions = positions[: xs.shape[1]]
+    if layout.documents:  # every micro-batch's own, on every stage: one gather a step
+        with jax.named_scope(STAGE_SEND):
+            every = jax.lax.all_gather(positions.reshape(k, -1, positions.shape[-1]), STAGE)
+        every = every.reshape(m, *every.shape[2:])  # micro-batch j K + i: stage j's i-th
+    else:  # the same 0, 1, 2, ... in every row
+        positions = positions[: xs.shape[1]]
     if repeats == 1:  # held as [U / S, ...] per stage: the one repeat's group
         params = jax.tree.map(lambda p: p[None], params)
     buffer = _gather_to_first(xs, stages, bubble)
@@ -114,7 +119,10 @@ def _run(layout: Layout, run_group, params, rest, x, positions, bubble: float):
         r = jnp.clip(i // m, 0, repeats - 1)
         local = jax.tree.map(lambda p: p[r], params)
         here = jax.tree.map(lambda b: _stage_rows(b, repeats, stages)[r, me], rest)
-        return run_group(local, here, x, positions)
+        if not layout.documents:
+            return run_group(local, here, x, positions)
+        mine = jax.lax.dynamic_index_in_dim(every, jnp.mod(i, m), keepdims=False)
+        return run_group(local, here, x, mine)
 
     stage_fn = jax.checkpoint(stage_fn)
     stats_shape = jax.eval_shape(stage_fn, params, rest, xs[0], 0)[1]

@@ -62,7 +62,7 @@ def tp_attention(layout, block, x, positions, weights, axes, attend):
         parts = cm.ring_gather(lambda x: block.project(x, weights), x, n)
         q, k, v = (cm.place(list(p), cm.ring_sources(n), axis=1) for p in zip(*parts, strict=True))
         q, k = block.rotate(q, k, positions)
-        o = attend(q, k, v)
+        o = attend(q, k, v, positions)
         out = lambda j: block.out(cm.block_of(o, (cm.me() - j) % n, n, axis=1), weights)
         return cm.ring_reduce_scatter(out, n)
 

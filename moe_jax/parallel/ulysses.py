@@ -51,10 +51,11 @@ def _heads_for(weights, axes, dest: jax.Array, n: int):
     return take_along(weights, axes, "kv_heads", kv_start, kv_per)
 
 
-def _pairwise_attention(block, x, positions, weights, axes, attend, n: int, wrap):
+def _pairwise_attention(block, x, positions, whole, weights, axes, attend, n: int, wrap):
     """The block with each all-to-all as n-1 pairwise steps: device dest's QKV GEMM runs
     while the previous device's block travels, and each arriving output block's GEMM
-    while the next one travels."""
+    while the next one travels. `positions`: this device's tokens'; `whole`: the
+    whole sequence's, which attention reads after the exchange."""
     weights = cast_like(weights, x)
     shared = block.prepare(x, weights)  # once, not per step (MLA's down-projections)
 
@@ -74,7 +75,7 @@ def _pairwise_attention(block, x, positions, weights, axes, attend, n: int, wrap
     else:
         qkv = cm.place([b for _, b in got], sources, axis=1)
         q, k, v = jnp.split(qkv, (per, per + (qkv.shape[2] - per) // 2), axis=2)
-    o = attend(q, k, v)
+    o = attend(q, k, v, whole)
     y = 0
     back = cm.pairwise_all_to_all(lambda dest: cm.block_of(o, dest, n, 1), n, wrap)
     for source, part in back:
@@ -90,18 +91,26 @@ def ulysses_attention(layout, block, x, positions, weights, axes, attend):
     wrap = lambda move: token_collective(move, layout.token_dtype)
     to_heads, to_seq = wrap(_seq_to_heads), wrap(_heads_to_seq)
 
-    def exchange_and_attend(q, k, v):
-        if k.shape[2] < n:
-            k, v = (jnp.repeat(t, n // t.shape[2], axis=2) for t in (k, v))
-        with jax.named_scope(TOKEN_EXCHANGE):
-            q, k, v = to_heads(q), to_heads(k), to_heads(v)
-        o = attend(q, k, v)
-        with jax.named_scope(TOKEN_EXCHANGE):
-            return remat.tag(to_seq(o), remat.ATTENTION_OUT)  # kept, not re-sent
-
     def body(x, positions, weights):
+        # Under a document mask the blocks are handed the whole sequence's positions
+        # (`Layout.positions` gathers them once per step): this device's for rotary.
+        whole = positions
+        if layout.documents:
+            s = x.shape[1]
+            start = jax.lax.axis_index(INTRA) * s
+            positions = jax.lax.dynamic_slice_in_dim(whole, start, s, axis=1)
+
+        def exchange_and_attend(q, k, v, _):
+            if k.shape[2] < n:
+                k, v = (jnp.repeat(t, n // t.shape[2], axis=2) for t in (k, v))
+            with jax.named_scope(TOKEN_EXCHANGE):
+                q, k, v = to_heads(q), to_heads(k), to_heads(v)
+            o = attend(q, k, v, whole)
+            with jax.named_scope(TOKEN_EXCHANGE):
+                return remat.tag(to_seq(o), remat.ATTENTION_OUT)  # kept, not re-sent
+
         if layout.collective_matmul:
-            return _pairwise_attention(block, x, positions, weights, axes, attend, n, wrap)
+            return _pairwise_attention(block, x, positions, whole, weights, axes, attend, n, wrap)
         return block(x, positions, weights, exchange_and_attend)
 
     chunks = layout.overlap_chunks
@@ -117,7 +126,8 @@ def ulysses_attention(layout, block, x, positions, weights, axes, attend):
             return jnp.concatenate(outs)
 
     spec = layout.activation_spec()
-    in_specs = (spec, P(*spec[:2]), layout.weight_specs(axes))
+    where = P(spec[0], None) if layout.documents else P(*spec[:2])
+    in_specs = (spec, where, layout.weight_specs(axes))
     return layout.block_map(body, in_specs, spec)(x, positions, weights)
 
 
