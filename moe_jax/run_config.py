@@ -65,6 +65,12 @@ def load_json(path: str | Path) -> config_lib.Config:
     return config_lib.load(over_defaults(read_json(path)))
 
 
+# Settings added with a default that changes what a run computes, and the value that
+# reproduces the runs saved before them: such a run resumes as it ran (its data
+# iterator's state and its losses assume the old way).
+ADDED_SINCE = {"data": {"document_mask": False}}
+
+
 def saved(workdir: Path) -> dict[str, dict[str, Any]] | None:
     """The settings of the run in `workdir` (its config.json), or None when it holds no
     run's config.json (a file no run wrote is the trainer's to refuse)."""
@@ -73,7 +79,12 @@ def saved(workdir: Path) -> dict[str, dict[str, Any]] | None:
         raw = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    return paths.resolved(raw, workdir) if is_run_config(raw) else None
+    if not is_run_config(raw):
+        return None
+    for section, values in ADDED_SINCE.items():
+        for key, value in values.items():
+            raw[section].setdefault(key, value)
+    return paths.resolved(raw, workdir)
 
 
 def with_overrides(base: dict, overrides: dict[str, Any]) -> dict[str, dict[str, Any]]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -211,3 +212,19 @@ def test_loss_weights_count_only_targets_within_a_document():
     depth1, depth2 = with_targets(batch, 2)["mtp"]["weights"]
     np.testing.assert_allclose(depth1, [[2, 0, 0, 2, 2, 0]])  # inputs i, i+1 in one document
     np.testing.assert_allclose(depth2, [[0, 0, 0, 6, 0, 0]])  # and i+2, inside the window
+
+
+def test_a_run_saved_before_document_masks_resumes_without_them(tmp_path):
+    """`train --workdir RUN` takes the run's saved settings as its defaults: a config.json
+    written before data.document_mask existed resumes with it off, as that run trained
+    (its iterator state holds no document fields); one that has it keeps its value."""
+    from moe_jax import config as config_lib
+    from moe_jax import run_config
+
+    written = config_lib.to_config_dict(config_lib.Config()).to_dict()
+    del written["data"]["document_mask"]
+    (tmp_path / "config.json").write_text(json.dumps(written))
+    assert run_config.saved(tmp_path)["data"]["document_mask"] is False
+    written["data"]["document_mask"] = True
+    (tmp_path / "config.json").write_text(json.dumps(written))
+    assert run_config.saved(tmp_path)["data"]["document_mask"] is True
