@@ -9,7 +9,8 @@ BPE with `tokenizers` (as the tests do), and times:
   `Tokenizer.encode_batch` over the same texts in this process
   (the Rust side uses every core), measured in the same run;
 - the loader (`pipeline.make_iterator`, the default batch 16 x 128) in tokens/s of one
-  process, against the default run's consumption: tokens_per_sec of `--metrics` (a
+  process, with document masks (the default) and without, and drawing from a 3-source
+  mixture (weights 3:2:1), against the default run's consumption: tokens_per_sec of `--metrics` (a
   metrics.jsonl of `make train`), else of a `--train_steps` run of the default config
   measured here (the median of its logged steps after the first two).
 
@@ -118,9 +119,10 @@ def time_encode_batch(spec: str, docs: list[str]) -> float:
     return time.perf_counter() - start
 
 
-def loader_tokens_per_sec(data: Path, batches: int) -> float:
+def loader_tokens_per_sec(batches: int, **data: object) -> float:
+    """Tokens/s of the training iterator of the default config with `data` settings."""
     raw = config_lib.to_config_dict(config_lib.Config()).to_dict()
-    raw["data"].update(source="tokens", path=str(data))
+    raw["data"].update(source="tokens", **data)
     config = config_lib.load(raw)
     it = pipeline.make_iterator(config, "train")
     next(it)  # grain's threads started
@@ -174,12 +176,23 @@ def main() -> None:
             report["prepare_mb_per_s"][f"{name}_workers{workers}"] = round(text_mb / seconds, 2)
     seconds = time_encode_batch(str(work / "bpe.json"), docs)
     report["tokenizers_encode_batch_mb_per_s"] = round(text_mb / seconds, 2)
-    loader = loader_tokens_per_sec(work / "byte1", 20 if args.small else 200)
+    batches = 20 if args.small else 200
+    one, mix = (
+        str(work / "byte1"),
+        f"{work / 'byte1'}:3:a,{work / 'byte2'}:2:b,{work / 'byte1'}:1:c",
+    )
+    loader = loader_tokens_per_sec(batches, path=one)  # document masks on: the default
     report["loader_tokens_per_s"] = round(loader)
+    report["loader_tokens_per_s_without_masks"] = round(
+        loader_tokens_per_sec(batches, path=one, document_mask=False)
+    )
+    mixture = loader_tokens_per_sec(batches, sources=mix)
+    report["loader_tokens_per_s_3_source_mixture"] = round(mixture)
     run, source = run_tokens_per_sec(args.metrics, steps)
     report["default_run_tokens_per_s"] = None if run is None else round(run)
     report["default_run_source"] = source
     report["loader_over_run"] = None if run is None else round(loader / run, 1)
+    report["mixture_over_run"] = None if run is None else round(mixture / run, 1)
     if not args.json:
         for key, value in report.items():
             print(f"{key}: {value}")

@@ -67,6 +67,29 @@ def test_a_config_file_may_give_the_sources_as_a_list(three):
     assert config_sources.parse(config.data.sources)[1] == (str(three["code"]), 0.5, "code")
 
 
+def test_mixed_batches_carry_the_document_fields_of_their_windows(three):
+    """With data.document_mask on (the default) each mixed window's segment ids,
+    positions and loss mask are those its own tokens give; off, a batch is the pairs."""
+    from moe_jax.data.documents import document_fields
+    from moe_jax.data.tokenizer import ByteTokenizer
+
+    sources = sources_text(three, {"web": 3, "code": 2, "math": 1})
+    batch = next(pipeline.make_iterator(config_of(sources), "train"))
+    fields = document_fields(batch["inputs"], ByteTokenizer.eos_id)
+    assert sorted(batch) == sorted(["inputs", "targets", *fields])
+    for key, value in fields.items():
+        np.testing.assert_array_equal(batch[key], value)
+    off = make_config(
+        {
+            "data.source": "tokens",
+            "data.sources": sources,
+            "train.seq_len": 16,
+            "data.document_mask": False,
+        }
+    )
+    assert sorted(next(pipeline.make_iterator(off, "train"))) == ["inputs", "targets"]
+
+
 def test_drawn_proportions_match_the_weights(three):
     weights = {"web": 0.5, "code": 0.3, "math": 0.2}
     it = pipeline.make_iterator(config_of(sources_text(three, weights), batch_size=40), "train")
@@ -123,7 +146,10 @@ def test_val_per_source_reads_that_source_in_order(three):
         )
         reference = pipeline.make_iterator(single, "val", shuffle=False)
         for _ in range(3):
-            np.testing.assert_array_equal(next(it)["inputs"], next(reference)["inputs"])
+            got, want = next(it), next(reference)
+            assert sorted(got) == sorted(want)  # the document fields too (masks are on)
+            for key in want:
+                np.testing.assert_array_equal(got[key], want[key])
 
 
 @pytest.mark.parametrize("mixed", [False, True])

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from moe_jax.config import Config, DataConfig
+from moe_jax.config_sources import parse
 from moe_jax.data import mixture
 from moe_jax.data.corpus import stdlib_documents
 from moe_jax.data.documents import document_fields, masked
@@ -105,14 +106,19 @@ def _pairs(windows: np.ndarray) -> dict[str, np.ndarray]:
     return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
 
 
-def _packed_rows(
-    source: PackedSequences, rows: np.ndarray, eos_id: int | None, indices: np.ndarray
-) -> dict:
-    """The windows' pairs, with their document fields when `eos_id` is given."""
-    pairs = _pairs(source.rows(indices[rows]))
+def _batch(eos_id: int | None, windows: np.ndarray) -> dict[str, np.ndarray]:
+    """The windows' pairs, with their document fields when `eos_id` is given (one source
+    or a mixture's)."""
+    pairs = _pairs(windows)
     if eos_id is None:
         return pairs
     return {**pairs, **document_fields(pairs["inputs"], eos_id)}
+
+
+def _packed_rows(
+    source: PackedSequences, rows: np.ndarray, eos_id: int | None, indices: np.ndarray
+) -> dict:
+    return _batch(eos_id, source.rows(indices[rows]))
 
 
 def eos_id(data_cfg: DataConfig) -> int | None:
@@ -122,7 +128,9 @@ def eos_id(data_cfg: DataConfig) -> int | None:
         return None
     if data_cfg.source == "stdlib":
         return ByteTokenizer.eos_id
-    return int(read_meta(data_cfg.path)["eos_id"])
+    # A mixture's sources share one tokenizer (checked as they open): the first one's.
+    path = parse(data_cfg.sources)[0].path if data_cfg.sources else data_cfg.path
+    return int(read_meta(path)["eos_id"])
 
 
 def _synthetic_rows(config: Config, split: str, rows: np.ndarray, index: int, _: Any) -> dict:
@@ -167,7 +175,7 @@ class Batches:
 
 def source_iterators(config: Config, rows: np.ndarray) -> dict[str, Any]:
     """A mixture's sources' val splits, each alone and in order (`val_loss/<name>`)."""
-    return mixture.source_iterators(config, rows, _pairs)
+    return mixture.source_iterators(config, rows, functools.partial(_batch, eos_id(config.data)))
 
 
 def local_rows(sharding: jax.sharding.Sharding, batch_size: int, seq_len: int) -> np.ndarray:
@@ -212,8 +220,10 @@ def make_iterator(
         ds = grain.MapDataset.range(1).repeat(None)
         ds = ds.map_with_index(functools.partial(_synthetic_rows, config, split, rows))
         return Batches(ds.to_iter_dataset(_READ_OPTIONS), identity)
-    if d.sources:  # a mixture: its windows become batches as these do (`_pairs`)
-        return mixture.make_iterator(config, split, rows, shuffle, _pairs)
+    if d.sources:  # a mixture: its windows become batches as these do (`_batch`)
+        return mixture.make_iterator(
+            config, split, rows, shuffle, functools.partial(_batch, eos_id(d))
+        )
     tokens, _ = token_stream(d, split, config.model.vocab_size)
     where = f"data.path={d.path}" if d.source == "tokens" else f"data.source={d.source!r}"
     checked = {}
