@@ -297,6 +297,11 @@ def test_measured_activation_bytes_match_prediction(plan):
     exchanged = a["measured"] - a["measured_router_stats"]
     assert exchanged == a["predicted"]  # exact: the same buffers, in the dtype sent
     assert 0 < a["measured_router_stats"] < 0.1 * a["predicted"]
+    # Document masks are on (the default data): tp and sp gather the batch's positions
+    # once per step, int32 [rows, seq] over the intra group; dp and fsdp move none.
+    positions = _report(*plan)["document_positions_bytes_per_step"]
+    assert positions["measured"] == positions["predicted"]
+    assert (positions["predicted"] > 0) == (plan[0] in ("tp", "sp")), positions
 
 
 def test_forward_all_to_alls_are_the_predicted_exchanges():

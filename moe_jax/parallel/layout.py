@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from moe_jax.moe.dispatcher import TokenDispatcher
+from moe_jax.parallel.scopes import DOCUMENT_POSITIONS
 from moe_jax.parallel.spec import AttentionSpec, ExpertSpec, VocabSpec
 
 STAGE, DATA, EXPERT, TENSOR = "stage", "data", "expert", "tensor"
@@ -157,7 +158,8 @@ class Layout:
         batch without them), handed whole-sequence wherever the sequence is split,
         gathered here once per step."""
         if self.documents:
-            return self._document_positions(tokens, given)
+            with jax.named_scope(DOCUMENT_POSITIONS):
+                return self._document_positions(tokens, given)
         b, s = tokens.shape
         start = 0
         if self.per_device and self.seq_axes:
@@ -175,10 +177,14 @@ class Layout:
             return jnp.broadcast_to(jnp.arange(s), (b, s))
         if not self.seq_axes:
             return given
+        gather = partial(jax.lax.all_gather, axis_name=self.seq_axes, axis=1, tiled=True)
         if split:
-            return jax.lax.all_gather(given, self.seq_axes, axis=1, tiled=True)
-        whole = jax.sharding.NamedSharding(self.mesh, P(self.batch_axes or None, None))
-        return jax.lax.with_sharding_constraint(given, whole)
+            return gather(given)
+        # An explicit gather (not a sharding constraint, which XLA would hoist to the
+        # step's input where its name scope is lost): comm_report counts it by its scope.
+        rows = self.batch_axes or None
+        specs = {"in_specs": (P(rows, self.seq_axes),), "out_specs": P(rows, None)}
+        return jax.shard_map(gather, mesh=self.mesh, check_vma=False, **specs)(given)
 
     def microbatched(self, fn, *args):
         """`fn(*args)` -> a tree of means, for what runs after the pipelined stack but is

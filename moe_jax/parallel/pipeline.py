@@ -46,7 +46,7 @@ from jax.sharding import PartitionSpec as P
 
 from moe_jax.kernels.varying import varying_like
 from moe_jax.parallel.layout import STAGE, Layout
-from moe_jax.parallel.scopes import PIPELINE, STAGE_SEND
+from moe_jax.parallel.scopes import DOCUMENT_POSITIONS, PIPELINE, STAGE_SEND
 
 # The held stack's leading logical axes: [repeats, layers / repeats, ...], the second
 # split over stages (the layout's rules map 'stage_layers' to 'stage').
@@ -105,7 +105,7 @@ def _run(layout: Layout, run_group, params, rest, x, positions, bubble: float):
     first = me == 0
     xs = x.reshape(k, x.shape[0] // k, *x.shape[1:])
     if layout.documents:  # every micro-batch's own, on every stage: one gather a step
-        with jax.named_scope(STAGE_SEND):
+        with jax.named_scope(DOCUMENT_POSITIONS):
             every = jax.lax.all_gather(positions.reshape(k, -1, positions.shape[-1]), STAGE)
         every = every.reshape(m, *every.shape[2:])  # micro-batch j K + i: stage j's i-th
     else:  # the same 0, 1, 2, ... in every row

@@ -17,9 +17,12 @@ GRAD_EXCHANGE = "grad_exchange"
 # The pipelined layer stack's tick loops, and its stage-to-stage sends
 # (`moe_jax.parallel.pipeline`).
 PIPELINE, STAGE_SEND = "pipeline", "stage_send"
+# The batch's per-document positions (data.document_mask) gathered for layouts that
+# split the sequence (`moe_jax.parallel.layout.Layout.positions`).
+DOCUMENT_POSITIONS = "document_positions"
 # The scopes that make a collective an activation exchange, in the order the reader
 # tries them (`moe_jax.tools.hlo_collectives`' `tag`).
-TAGS = (TOKEN_EXCHANGE, ROUTER_STATS, LOSS_EXCHANGE, STAGE_SEND)
+TAGS = (TOKEN_EXCHANGE, ROUTER_STATS, LOSS_EXCHANGE, STAGE_SEND, DOCUMENT_POSITIONS)
 # Chunk c of a block run in `parallel.overlap_chunks` pieces is under `chunk_scope(c)`,
 # step i of a collective matmul's ring (`parallel.collective_matmul`) under `ring_scope(i)`.
 CHUNK, RING = "chunk", "ring"

@@ -91,3 +91,19 @@ def paper_equations(config: Config) -> tuple[str, str]:
     """Which of the paper's equations each block's layout follows."""
     attention, experts = registry.attention_spec(config), registry.expert_spec(config)
     return attention.paper_equation, experts.paper_equation
+
+
+def document_positions_bytes(config: Config) -> int:
+    """Bytes one device sends per step gathering the batch's per-document positions
+    (`data.document_mask` on a source with documents): a layout that splits the
+    sequence over the intra group (tp, sp) hands attention the whole sequence's, one
+    all-gather of int32 [rows, seq] over n devices; 0 where sequences stay whole. (A
+    pipeline's gather of every micro-batch's positions over 'stage' is measured by
+    comm_report but not predicted here.)"""
+    d, p, tc = config.data, config.parallel, config.train
+    if not (d.document_mask and d.source != "synthetic"):
+        return 0
+    if not registry.attention_spec(config).seq_axes or p.data < 1:
+        return 0
+    rows = Fraction(tc.batch_size, p.data)
+    return round(rows * tc.seq_len * 4 * Fraction(p.intra - 1, p.intra))

@@ -48,6 +48,7 @@ from absl import app, flags
 
 from moe_jax import cli
 from moe_jax import config as config_lib
+from moe_jax.data.documents import masked
 from moe_jax.parallel import mesh as mesh_lib
 from moe_jax.parallel import registry, scopes
 from moe_jax.plan import comm_volume, param_traffic
@@ -82,10 +83,10 @@ def compile_step(
     abstract = lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh)
     state = jax.tree.map(abstract, state, state_sharding)
     tokens = (config.train.batch_size, config.train.seq_len)
-    batch = {
-        key: jax.ShapeDtypeStruct(tokens, jnp.int32, sharding=sharding)
-        for key in ("inputs", "targets")
-    }
+    keys = ("inputs", "targets")
+    if masked(config.data):  # the batch the trainer's loader gives: its document fields
+        keys += ("segment_ids", "positions", "loss_mask")
+    batch = {key: jax.ShapeDtypeStruct(tokens, jnp.int32, sharding=sharding) for key in keys}
     step_fn = jax.jit(
         partial(train_step, graphdef, config),
         in_shardings=step_shardings(state_sharding, sharding),
@@ -134,6 +135,10 @@ def summarize(config: config_lib.Config, collectives: list) -> dict:
         "param_grad_bytes_per_step": sum(c.total for c in collectives if c.role == "param_grad"),
         "predicted_param_grad_bytes_per_step": param_traffic.gradient_bytes_per_step(config),
         "activation_bytes_per_step": sum(c.total for c in collectives if c.role == "activation"),
+        "document_positions_bytes_per_step": {
+            "measured": sum(c.total for c in collectives if c.tag == scopes.DOCUMENT_POSITIONS),
+            "predicted": comm_volume.document_positions_bytes(config),
+        },
         "dense_layers": m.num_layers - m.num_moe_layers,
         "num_layers": m.num_layers,
         "grad_accum": config.train.grad_accum,
@@ -230,6 +235,12 @@ def format_report(result: dict) -> str:
         f"(predicted {result['predicted_param_grad_bytes_per_step']:,}, "
         "moe_jax.plan.param_traffic)"
     )
+    positions = result["document_positions_bytes_per_step"]
+    if positions["measured"] or positions["predicted"]:
+        lines.append(
+            f"document positions gathered per step per device: {positions['measured']:,} "
+            f"(predicted {positions['predicted']:,}, moe_jax.plan.comm_volume)"
+        )
     return "\n".join(lines)
 
 
