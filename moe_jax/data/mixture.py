@@ -32,7 +32,7 @@ from moe_jax.data.token_files import (
     tokenizer_spec,
     verify_once,
 )
-from moe_jax.data.windows import PackedSequences
+from moe_jax.data.windows import PackedSequences, check_identity
 
 _MIX_SALT = 0x6D6978  # seeds the order of a batch's rows apart from the window orders
 
@@ -205,13 +205,7 @@ class Mixture:
             raise ValueError(
                 f"data iterator state must be a mixture's get_state(), got {state!r:.80}"
             )
-        for key, value in self._identity.items():
-            if state.get(key) != value:
-                raise ValueError(
-                    f"data iterator state has {key}={state.get(key)!r} but this run has "
-                    f"{value!r}; resume with the same data.sources and "
-                    "train.batch_size/seq_len/seed"
-                )
+        check_identity(state, self._identity, "data.sources")
         self._batch = int(position["batch"])
         self._drawn = np.array([int(position["drawn"][s.name]) for s in self._sources], np.int64)
 

@@ -31,7 +31,7 @@ from moe_jax.data.token_files import (
     verify_once,
 )
 from moe_jax.data.tokenizer import ByteTokenizer
-from moe_jax.data.windows import PackedSequences
+from moe_jax.data.windows import PackedSequences, check_identity
 
 _READ_OPTIONS = grain.ReadOptions(num_threads=2, prefetch_buffer_size=4)
 _SPLIT_CODES = {"train": 0, "val": 1}
@@ -164,12 +164,7 @@ class Batches:
             raise ValueError(
                 f"data iterator state must be a dict from get_state(), got {state!r:.80}"
             )
-        for key, value in self._identity.items():
-            if state.get(key) != value:
-                raise ValueError(
-                    f"data iterator state has {key}={state.get(key)!r} but this run has "
-                    f"{value!r}; resume with the same data and train.batch_size/seq_len/seed"
-                )
+        check_identity(state, self._identity, "data")
         self._iter.set_state(state["position"])
 
 

@@ -7,6 +7,8 @@ and the offset of each token.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from moe_jax.data import shards
@@ -81,3 +83,14 @@ def check_ids(
         f"outside model.vocab_size={vocab_size} (the file changed after prepare, or is "
         "damaged); stopped before the step that would read it: re-run prepare"
     )
+
+
+def check_identity(state: dict[str, Any], identity: dict[str, Any], settings: str) -> None:
+    """One ValueError naming the first field of what a saved iterator state is a stream
+    of (`identity`) that this run's differs in; `settings`: what to keep the same."""
+    for key, value in identity.items():
+        if state.get(key) != value:
+            raise ValueError(
+                f"data iterator state has {key}={state.get(key)!r} but this run has "
+                f"{value!r}; resume with the same {settings} and train.batch_size/seq_len/seed"
+            )
