@@ -372,14 +372,13 @@ MIXTRAL_64 = textwrap.dedent(
     import dataclasses, os, runpy, sys
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=64"
     os.environ["JAX_PLATFORMS"] = "cpu"
-    from functools import partial
-    import jax, jax.numpy as jnp
+    import jax
     from moe_jax import config as config_lib
     from moe_jax.parallel import mesh as mesh_lib
     from moe_jax.plan import memory, planner
     from moe_jax.plan.resolve import check_plan
-    from moe_jax.train_step import RATE, abstract_state, init_program, train_step
-    from moe_jax.train_step import with_shardings
+    from moe_jax.train_step import abstract_state, init_program
+    from tests.abstract_step import step_bytes
     raw = runpy.run_path("configs/mixtral_8x7b.py")["get_config"]()
     raw.model.remat = "selective"
     planned = config_lib.load(raw)
@@ -404,21 +403,7 @@ MIXTRAL_64 = textwrap.dedent(
         init = init_program(config, layout, shardings).lower().compile().memory_analysis()
         whole = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract))
         tuple_table = 8 * len(jax.tree.leaves(abstract))
-        tokens = jax.ShapeDtypeStruct(
-            (config.train.batch_size, config.train.seq_len), jnp.int32,
-            sharding=mesh_lib.batch_sharding(layout),
-        )
-        step = jax.jit(
-            partial(train_step, graphdef, config), donate_argnums=0,
-            out_shardings=(shardings, None),
-        )
-        batch = {"inputs": tokens, "targets": tokens}
-        placed = with_shardings(abstract, shardings)
-        m = step.lower(placed, batch, RATE).compile().memory_analysis()
-        compiled = (
-            m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes
-            - m.alias_size_in_bytes
-        )
+        compiled = step_bytes(config, layout, graphdef, abstract, shardings)
         p = config.parallel
         print(overlap, p.attention, p.experts, p.expert_fsdp, p.token_dtype, p.grad_exchange,
               p.overlap_chunks, p.collective_matmul, init.output_size_in_bytes,
@@ -515,13 +500,12 @@ DEEPSEEK_V3_64 = textwrap.dedent(
     import os, runpy
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=64"
     os.environ["JAX_PLATFORMS"] = "cpu"
-    from functools import partial
-    import jax, jax.numpy as jnp
     from moe_jax import config as config_lib
     from moe_jax.parallel import mesh as mesh_lib
     from moe_jax.plan import memory
     from moe_jax.plan.resolve import check_plan
-    from moe_jax.train_step import RATE, abstract_state, train_step, with_shardings
+    from moe_jax.train_step import abstract_state
+    from tests.abstract_step import step_bytes
     raw = runpy.run_path("configs/deepseek_v3_671b.py")["get_config"]()
     raw.model.num_layers, raw.model.first_k_dense = 4, 1
     raw.train.batch_size, raw.train.grad_accum = 16, 1
@@ -533,21 +517,7 @@ DEEPSEEK_V3_64 = textwrap.dedent(
     layout = mesh_lib.make_layout(config, mesh_lib.make_mesh(config))
     graphdef, abstract = abstract_state(config, layout)
     shardings = mesh_lib.train_state_shardings(abstract, layout, config.parallel.zero)
-    tokens = jax.ShapeDtypeStruct(
-        (config.train.batch_size, config.train.seq_len), jnp.int32,
-        sharding=mesh_lib.batch_sharding(layout),
-    )
-    step = jax.jit(
-        partial(train_step, graphdef, config), donate_argnums=0,
-        out_shardings=(shardings, None),
-    )
-    batch = {"inputs": tokens, "targets": tokens}
-    m = step.lower(with_shardings(abstract, shardings), batch, RATE).compile()
-    m = m.memory_analysis()
-    compiled = (
-        m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes
-        - m.alias_size_in_bytes
-    )
+    compiled = step_bytes(config, layout, graphdef, abstract, shardings)
     print(compiled, memory.memory_per_device(config).total, config.model.mtp_depth)
     """
 )
