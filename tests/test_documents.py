@@ -14,9 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from moe_jax.config import Config, DataConfig, ParallelConfig
-from moe_jax.data import pipeline
+from moe_jax.data import pipeline as data_pipeline
 from moe_jax.data.documents import document_fields
 from moe_jax.data.tokenizer import ByteTokenizer
 from moe_jax.kernels import blockwise_attention as bw
@@ -24,11 +25,10 @@ from moe_jax.kernels.attention import xla_attention
 from moe_jax.model.loss import with_loss_weights
 from moe_jax.model.mtp import with_targets
 from moe_jax.parallel import mesh as mesh_lib
-from moe_jax.parallel import per_device_step
+from moe_jax.parallel import per_device_step, pipeline
 from moe_jax.parallel.layout import SINGLE_DEVICE
 from moe_jax.plan.resolve import check_plan
 from moe_jax.train_state import build_model
-from moe_jax.train_step import loss_fn
 from tests.layouts import BASE, MLA
 
 EOS = ByteTokenizer.eos_id
@@ -55,14 +55,17 @@ def test_batches_off_are_todays_and_on_adds_fields():
     """Off: exactly the windows of the stream (today's batches, byte for byte), nothing
     else; on: the same inputs and targets plus the fields of `document_fields`."""
     off, on = _config(False), _config(True)
-    tokens, _ = pipeline.token_stream(off.data, "val", off.model.vocab_size)
-    first = next(pipeline.make_iterator(off, "val", shuffle=False))
+    tokens, _ = data_pipeline.token_stream(off.data, "val", off.model.vocab_size)
+    first = next(data_pipeline.make_iterator(off, "val", shuffle=False))
     window = off.train.seq_len + 1
     want = np.asarray(tokens[: B * window], np.int32).reshape(B, window)
     assert sorted(first) == ["inputs", "targets"]
     assert first["inputs"].tobytes() == want[:, :-1].tobytes()
     assert first["targets"].tobytes() == want[:, 1:].tobytes()
-    a, b = next(pipeline.make_iterator(off, "val")), next(pipeline.make_iterator(on, "val"))
+    a, b = (
+        next(data_pipeline.make_iterator(off, "val")),
+        next(data_pipeline.make_iterator(on, "val")),
+    )
     assert a["inputs"].tobytes() == b["inputs"].tobytes()
     assert a["targets"].tobytes() == b["targets"].tobytes()
     for key, value in document_fields(a["inputs"], EOS).items():
@@ -167,42 +170,41 @@ def test_packed_documents_as_alone_under_layouts(name):
     np.testing.assert_allclose(_logits(config, layout, True), want, atol=1e-5, rtol=1e-5)
 
 
-def _masked_loss(logits: np.ndarray, batch: dict) -> float:
-    """Mean next-token cross-entropy over the counted targets, written out."""
-    logp = logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
-    picked = np.take_along_axis(np.asarray(logp), batch["targets"][..., None], -1)[..., 0]
-    mask = batch["loss_mask"].astype(bool)
-    return float(-picked[mask].mean())
-
-
 def test_packed_documents_through_a_two_stage_pipeline():
-    """The pipelined step's loss (per device, micro-batches through 2 stages) is the
-    masked loss of the documents run alone; without the mask it is not."""
-    plan = dict(attention="dp", data=4, stages=2, microbatches=2)
-    config, layout = _laid_out(BASE, **plan)
+    """The pipelined model's logits (micro-batches through 2 stages, inside the step's
+    per-device shard_map) are those of the documents run alone; without the mask the
+    second document's are not."""
+    config, layout = _laid_out(BASE, attention="dp", data=4, stages=2, microbatches=2)
     batch = _packed_batch()
-    want = _masked_loss(_alone(BASE), batch)
-    graphdef, params, rest = nnx.split(build_model(config, layout), nnx.Param, ...)
+    want = _alone(BASE)
 
-    def loss(documents: bool) -> float:
-        here = (
-            graphdef
-            if documents
-            else nnx.split(
-                build_model(config, dataclasses.replace(layout, documents=False)), nnx.Param, ...
-            )[0]
-        )
-        given = batch if documents else {k: batch[k] for k in ("inputs", "targets")}
-        per_device = per_device_step.per_device_graph(here, params, rest)
-        specs = jax.tree.map(lambda s: s.spec, mesh_lib.state_shardings(params, layout))
-        fn = lambda p, r, b: loss_fn(p, r, per_device, b, config)
-        got = jax.jit(lambda p, r, b: per_device_step.step_loss(layout, fn, p, r, b, specs))(
-            params, rest, {k: jnp.asarray(v) for k, v in given.items()}
-        )
-        return float(got["lm_loss"])
+    def logits(documents: bool) -> np.ndarray:
+        here = dataclasses.replace(layout, documents=documents)
+        graphdef, params, rest = nnx.split(build_model(config, here), nnx.Param, ...)
+        per_device = per_device_step.per_device_graph(graphdef, params, rest)
+        given = {k: jnp.asarray(batch[k]) for k in ("inputs", "positions")}
+        staged, spec = pipeline.microbatch_major(given, here)
 
-    assert abs(loss(True) - want) < 1e-5
-    assert abs(loss(False) - want) > 1e-3
+        def body(params, rest, staged):
+            local = pipeline.local_batch(staged)
+            model = nnx.merge(per_device, params, rest)
+            out = model(local["inputs"], local["positions"] if documents else None)[0]
+            return out.reshape(staged["inputs"].shape + out.shape[-1:])
+
+        specs = jax.tree.map(lambda s: s.spec, mesh_lib.state_shardings(params, here))
+        run = jax.shard_map(
+            body,
+            mesh=here.mesh,
+            in_specs=(specs, jax.tree.map(lambda _: P(), rest), {k: spec for k in given}),
+            out_specs=P(*spec, None),
+        )
+        return np.asarray(jax.jit(run)(params, rest, staged))
+
+    expected = pipeline.microbatch_major({"x": want}, layout)[0]["x"]
+    np.testing.assert_allclose(logits(True), expected, atol=1e-5, rtol=1e-5)
+    off = logits(False)
+    np.testing.assert_allclose(off[..., :SPLIT, :], expected[..., :SPLIT, :], atol=1e-5, rtol=1e-5)
+    assert np.abs(off[..., SPLIT:, :] - expected[..., SPLIT:, :]).max() > 1e-3
 
 
 def test_loss_weights_count_only_targets_within_a_document():
