@@ -304,6 +304,16 @@ def test_measured_activation_bytes_match_prediction(plan):
     assert (positions["predicted"] > 0) == (plan[0] in ("tp", "sp")), positions
 
 
+def test_a_pipeline_gathers_every_micro_batchs_positions_as_predicted():
+    """sp at data 2, intra 2 in 2 stages of 2 micro-batches: each device holds 8 / (2 * 2)
+    rows of 16 int32 positions; the intra gather brings half a row each, the stage
+    gather the other stage's rows: 2 * 64 * (1/2 + 1) = 192 bytes."""
+    plan = ParallelConfig(attention="sp", experts="ep_a2a", intra=2, data=2, stages=2)
+    config = dataclasses.replace(BASE, parallel=dataclasses.replace(plan, microbatches=2))
+    positions = comm_report.report(config, FAST)["document_positions_bytes_per_step"]
+    assert positions == {"measured": 192, "predicted": 192}
+
+
 def test_forward_all_to_alls_are_the_predicted_exchanges():
     """Independent of the tags: in sp + ep_a2a every forward all-to-all is a token exchange."""
     plan = REPORTED[0]

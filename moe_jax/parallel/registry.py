@@ -71,6 +71,13 @@ def vocab_spec(config) -> VocabSpec | None:
     return VOCAB_PARALLEL if config.parallel.vocab_parallel else None
 
 
+def batch_split(config) -> int:
+    """How many ways the plan's attention layout splits the batch's rows (within one
+    stage): over 'data', and over the intra group too where it holds whole rows."""
+    p, attention = config.parallel, attention_spec(config)
+    return p.data * (p.intra if set(attention.batch_axes) & {EXPERT, TENSOR} else 1)
+
+
 def problems(config, num_devices: int, platform: str) -> list[str]:
     """Every reason a resolved plan cannot run on `num_devices` devices of `platform`
     ('cpu', 'gpu', 'tpu'), as one-line messages in the order they are checked."""
@@ -111,16 +118,16 @@ def problems(config, num_devices: int, platform: str) -> list[str]:
                 f"parallel.expert_fsdp splits moe.expert_mlp_dim={e.expert_mlp_dim} over "
                 f"{tp} expert-tensor x {p.data} data devices, which must divide it"
             )
-    batch_split = p.data * (p.intra if set(attention.batch_axes) & {EXPERT, TENSOR} else 1)
-    if p.stages > 1 and t.batch_size % (batch_split * p.microbatches):
+    split = batch_split(config)
+    if p.stages > 1 and t.batch_size % (split * p.microbatches):
         found.append(
             f"train.batch_size={t.batch_size} must be divisible by "
-            f"{batch_split * p.microbatches} (parallel.microbatches={p.microbatches} times "
+            f"{split * p.microbatches} (parallel.microbatches={p.microbatches} times "
             f"the batch split of parallel.attention={attention.name!r})"
         )
-    if t.batch_size % (batch_split * t.grad_accum):
+    if t.batch_size % (split * t.grad_accum):
         found.append(
-            f"train.batch_size={t.batch_size} must be divisible by {batch_split * t.grad_accum} "
+            f"train.batch_size={t.batch_size} must be divisible by {split * t.grad_accum} "
             f"(the batch split of parallel.attention={attention.name!r} times train.grad_accum)"
         )
     chunk = t.seq_len // t.loss_chunks if t.loss_chunks else 0
@@ -130,7 +137,7 @@ def problems(config, num_devices: int, platform: str) -> list[str]:
             f"divisible by the parallel.intra={p.intra} devices parallel.attention="
             f"{attention.name!r} splits the sequence over"
         )
-    sequences = t.batch_size // max(1, batch_split * config.micro_batches)  # one micro-batch
+    sequences = t.batch_size // max(1, split * config.micro_batches)  # one micro-batch
     if attention.chunks_batch and p.overlap_chunks > 1 and sequences % p.overlap_chunks:
         found.append(
             f"parallel.overlap_chunks={p.overlap_chunks} must divide the {sequences} sequences "

@@ -94,16 +94,17 @@ def paper_equations(config: Config) -> tuple[str, str]:
 
 
 def document_positions_bytes(config: Config) -> int:
-    """Bytes one device sends per step gathering the batch's per-document positions
-    (`data.document_mask` on a source with documents): a layout that splits the
-    sequence over the intra group (tp, sp) hands attention the whole sequence's, one
-    all-gather of int32 [rows, seq] over n devices; 0 where sequences stay whole. (A
-    pipeline's gather of every micro-batch's positions over 'stage' is measured by
-    comm_report but not predicted here.)"""
+    """Bytes one device receives per step gathering the batch's per-document positions
+    (`data.document_mask` on a source with documents), int32 for each of its rows (the
+    batch over its split and the stages): a layout that splits the sequence over the
+    intra group (tp, sp) hands attention the whole sequence's, one all-gather over its n
+    devices ((n - 1) / n of them arrive); a pipeline hands every stage every
+    micro-batch's, one all-gather over the S stages (S - 1 stages' rows arrive)."""
     d, p, tc = config.data, config.parallel, config.train
     if not (d.document_mask and d.source != "synthetic"):
         return 0
-    if not registry.attention_spec(config).seq_axes or p.data < 1:
-        return 0
-    rows = Fraction(tc.batch_size, p.data)
-    return round(rows * tc.seq_len * 4 * Fraction(p.intra - 1, p.intra))
+    row = tc.seq_len * 4  # int32 positions of one whole sequence
+    rows = Fraction(tc.batch_size, registry.batch_split(config) * p.stages)
+    whole = registry.attention_spec(config).seq_axes  # else rows arrive whole
+    intra = rows * row * Fraction(p.intra - 1, p.intra) if whole else 0
+    return round(intra + rows * row * (p.stages - 1))
