@@ -8,6 +8,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from moe_jax.data.documents import batch_keys
 from moe_jax.parallel import mesh as mesh_lib
 from moe_jax.train_step import RATE, train_step, with_shardings
 
@@ -22,7 +23,7 @@ def step_bytes(config, layout, graphdef, abstract, shardings) -> int:
     step = jax.jit(
         partial(train_step, graphdef, config), donate_argnums=0, out_shardings=(shardings, None)
     )
-    batch = {"inputs": tokens, "targets": tokens}
+    batch = dict.fromkeys(batch_keys(config.data), tokens)  # as the loader gives it
     m = step.lower(with_shardings(abstract, shardings), batch, RATE).compile().memory_analysis()
     return (
         m.argument_size_in_bytes

@@ -381,6 +381,7 @@ MIXTRAL_64 = textwrap.dedent(
     from tests.abstract_step import step_bytes
     raw = runpy.run_path("configs/mixtral_8x7b.py")["get_config"]()
     raw.model.remat = "selective"
+    raw.data.source, raw.data.path = "tokens", "unread"  # a real run's batch: documents
     planned = config_lib.load(raw)
     ranking = planner.rank(planned, 64, "h100", pp=1, limit=1, grad_sync="per_micro_batch")
     best = ranking.best
@@ -509,6 +510,7 @@ DEEPSEEK_V3_64 = textwrap.dedent(
     raw = runpy.run_path("configs/deepseek_v3_671b.py")["get_config"]()
     raw.model.num_layers, raw.model.first_k_dense = 4, 1
     raw.train.batch_size, raw.train.grad_accum = 16, 1
+    raw.data.source, raw.data.path = "tokens", "unread"  # a real run's batch: documents
     plan = dict(attention="tp", experts="ep_a2a", intra=8, data=8, zero=1,
                 expert_fsdp=True, collective_matmul=True)
     for key, value in plan.items():

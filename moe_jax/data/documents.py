@@ -23,6 +23,12 @@ def masked(data_cfg: DataConfig) -> bool:
     return data_cfg.document_mask and data_cfg.source != "synthetic"
 
 
+def batch_keys(data_cfg: DataConfig) -> tuple[str, ...]:
+    """The int32 [B, S] arrays of a batch the loader gives under `data_cfg`: what a step
+    compiled from abstract inputs must take to be the trainer's step."""
+    return ("inputs", "targets", *(FIELDS if masked(data_cfg) else ()))
+
+
 def document_fields(inputs: np.ndarray, eos_id: int) -> dict[str, np.ndarray]:
     """For inputs [B, S]: 'segment_ids' (1, 2, ... per document of each row),
     'positions' (0 at each document's first token) and 'loss_mask' (1 where the

@@ -48,7 +48,7 @@ from absl import app, flags
 
 from moe_jax import cli
 from moe_jax import config as config_lib
-from moe_jax.data.documents import masked
+from moe_jax.data.documents import batch_keys
 from moe_jax.parallel import mesh as mesh_lib
 from moe_jax.parallel import registry, scopes
 from moe_jax.plan import comm_volume, param_traffic
@@ -83,9 +83,7 @@ def compile_step(
     abstract = lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh)
     state = jax.tree.map(abstract, state, state_sharding)
     tokens = (config.train.batch_size, config.train.seq_len)
-    keys = ("inputs", "targets")
-    if masked(config.data):  # the batch the trainer's loader gives: its document fields
-        keys += ("segment_ids", "positions", "loss_mask")
+    keys = batch_keys(config.data)  # the loader's batch: with its document fields if masked
     batch = {key: jax.ShapeDtypeStruct(tokens, jnp.int32, sharding=sharding) for key in keys}
     step_fn = jax.jit(
         partial(train_step, graphdef, config),
