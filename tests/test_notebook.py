@@ -16,7 +16,7 @@ import time
 import nbformat
 import pytest
 
-from tests.commands import subprocess_env
+from tests.commands import COMPILE_FLAGS, subprocess_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "quickstart.ipynb"
@@ -66,8 +66,9 @@ def _python3_kernelspec(tmp_path: pathlib.Path) -> pathlib.Path:
 
 def _execute(path: pathlib.Path, report_cell: str, tmp_path, monkeypatch, **env: str):
     """The notebook with `report_cell` appended, run in a real kernel as a newcomer would
-    (the single real CPU device, not the 8 forced host devices of tests/conftest.py):
-    the executed notebook and what the report cell printed."""
+    (the single real CPU device, not the 8 forced host devices of tests/conftest.py;
+    XLA_FLAGS none, as a newcomer has them, unless `env` gives some): the executed
+    notebook and what the report cell printed."""
     from jupyter_client.kernelspec import KernelSpecManager
     from nbclient import NotebookClient
 
@@ -77,9 +78,8 @@ def _execute(path: pathlib.Path, report_cell: str, tmp_path, monkeypatch, **env:
 
     nb = nbformat.read(path, as_version=4)
     nb.cells.append(nbformat.v4.new_code_cell(report_cell))
-    # XLA_FLAGS as a newcomer has them (none): the notebooks train at XLA's own level.
     env = subprocess_env(
-        JAX_PLATFORMS="cpu", IPYTHONDIR=str(tmp_path / "ipython"), XLA_FLAGS="", **env
+        JAX_PLATFORMS="cpu", IPYTHONDIR=str(tmp_path / "ipython"), **{"XLA_FLAGS": "", **env}
     )
     client = NotebookClient(
         nb,
@@ -140,7 +140,9 @@ print({RESULT_MARKER!r} + _json.dumps({{
 
 
 def test_overlap_notebook_executes(tmp_path, monkeypatch):
-    nb, result = _execute(OVERLAP, _OVERLAP_REPORT, tmp_path, monkeypatch)
+    """At the tests' compile level (`COMPILE_FLAGS`): the notebook reads programs, never
+    speed, and the level changes no HLO pass; the quickstart trains at XLA's own."""
+    nb, result = _execute(OVERLAP, _OVERLAP_REPORT, tmp_path, monkeypatch, XLA_FLAGS=COMPILE_FLAGS)
     moved, steps = result["bytes"], result["steps"]
     for experts in ("ep_ag", "ep_a2a"):
         assert moved[f"dp+{experts} C=4"] == moved[f"dp+{experts} C=1"]
@@ -169,8 +171,13 @@ def test_finetune_notebook_executes(tmp_path, monkeypatch):
     """Build with transformers, import, same logits, fine-tune, sample, export, and
     transformers gives the fine-tuned model's logits."""
     hf_python = str(ROOT / ".venv-hf" / "bin" / "python")
-    _, result = _execute(
-        FINETUNE, _FINETUNE_REPORT, tmp_path, monkeypatch, MOE_JAX_HF_PYTHON=hf_python
+    _, result = _execute(  # 8 steps: compile-bound, so at the tests' level
+        FINETUNE,
+        _FINETUNE_REPORT,
+        tmp_path,
+        monkeypatch,
+        MOE_JAX_HF_PYTHON=hf_python,
+        XLA_FLAGS=COMPILE_FLAGS,
     )
     assert result["import_diff"] < 1e-4 and result["export_diff"] < 1e-4, result
     losses = result["losses"]
