@@ -13,8 +13,9 @@ from moe_jax.parallel import mesh as mesh_lib
 from moe_jax.train_step import RATE, train_step, with_shardings
 
 
-def step_bytes(config, layout, graphdef, abstract, shardings) -> int:
-    """XLA's arguments, temporaries and outputs per device, less what donation aliases."""
+def compile_step(config, layout, graphdef, abstract, shardings):
+    """The trainer's step, compiled from abstract inputs: the state placed by
+    `shardings`, the batch the loader gives (its document fields where masked)."""
     tokens = jax.ShapeDtypeStruct(
         (config.train.batch_size, config.train.seq_len),
         jnp.int32,
@@ -23,11 +24,21 @@ def step_bytes(config, layout, graphdef, abstract, shardings) -> int:
     step = jax.jit(
         partial(train_step, graphdef, config), donate_argnums=0, out_shardings=(shardings, None)
     )
-    batch = dict.fromkeys(batch_keys(config.data), tokens)  # as the loader gives it
-    m = step.lower(with_shardings(abstract, shardings), batch, RATE).compile().memory_analysis()
+    batch = dict.fromkeys(batch_keys(config.data), tokens)
+    return step.lower(with_shardings(abstract, shardings), batch, RATE).compile()
+
+
+def held_bytes(compiled) -> int:
+    """XLA's arguments, temporaries and outputs per device, less what donation aliases."""
+    m = compiled.memory_analysis()
     return (
         m.argument_size_in_bytes
         + m.temp_size_in_bytes
         + m.output_size_in_bytes
         - m.alias_size_in_bytes
     )
+
+
+def step_bytes(config, layout, graphdef, abstract, shardings) -> int:
+    """`held_bytes` of `compile_step`."""
+    return held_bytes(compile_step(config, layout, graphdef, abstract, shardings))

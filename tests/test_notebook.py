@@ -64,11 +64,13 @@ def _python3_kernelspec(tmp_path: pathlib.Path) -> pathlib.Path:
     return data_dir
 
 
-def _execute(path: pathlib.Path, report_cell: str, tmp_path, monkeypatch, **env: str):
+def _execute(
+    path: pathlib.Path, report_cell: str, tmp_path, monkeypatch, xla_flags: str = "", **env
+):
     """The notebook with `report_cell` appended, run in a real kernel as a newcomer would
     (the single real CPU device, not the 8 forced host devices of tests/conftest.py;
-    XLA_FLAGS none, as a newcomer has them, unless `env` gives some): the executed
-    notebook and what the report cell printed."""
+    `xla_flags` none by default, as a newcomer has them): the executed notebook and what
+    the report cell printed."""
     from jupyter_client.kernelspec import KernelSpecManager
     from nbclient import NotebookClient
 
@@ -79,7 +81,7 @@ def _execute(path: pathlib.Path, report_cell: str, tmp_path, monkeypatch, **env:
     nb = nbformat.read(path, as_version=4)
     nb.cells.append(nbformat.v4.new_code_cell(report_cell))
     env = subprocess_env(
-        JAX_PLATFORMS="cpu", IPYTHONDIR=str(tmp_path / "ipython"), **{"XLA_FLAGS": "", **env}
+        JAX_PLATFORMS="cpu", IPYTHONDIR=str(tmp_path / "ipython"), XLA_FLAGS=xla_flags, **env
     )
     client = NotebookClient(
         nb,
@@ -142,7 +144,7 @@ print({RESULT_MARKER!r} + _json.dumps({{
 def test_overlap_notebook_executes(tmp_path, monkeypatch):
     """At the tests' compile level (`COMPILE_FLAGS`): the notebook reads programs, never
     speed, and the level changes no HLO pass; the quickstart trains at XLA's own."""
-    nb, result = _execute(OVERLAP, _OVERLAP_REPORT, tmp_path, monkeypatch, XLA_FLAGS=COMPILE_FLAGS)
+    nb, result = _execute(OVERLAP, _OVERLAP_REPORT, tmp_path, monkeypatch, xla_flags=COMPILE_FLAGS)
     moved, steps = result["bytes"], result["steps"]
     for experts in ("ep_ag", "ep_a2a"):
         assert moved[f"dp+{experts} C=4"] == moved[f"dp+{experts} C=1"]
@@ -177,7 +179,7 @@ def test_finetune_notebook_executes(tmp_path, monkeypatch):
         tmp_path,
         monkeypatch,
         MOE_JAX_HF_PYTHON=hf_python,
-        XLA_FLAGS=COMPILE_FLAGS,
+        xla_flags=COMPILE_FLAGS,
     )
     assert result["import_diff"] < 1e-4 and result["export_diff"] < 1e-4, result
     losses = result["losses"]

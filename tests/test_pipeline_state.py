@@ -89,14 +89,15 @@ MEGASCALE_352B = textwrap.dedent(
     import dataclasses, os, runpy
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=120"
     os.environ["JAX_PLATFORMS"] = "cpu"
-    from functools import partial
-    import jax, jax.numpy as jnp
     from moe_jax import config as config_lib
     from moe_jax.parallel import mesh as mesh_lib
     from moe_jax.plan import memory
     from moe_jax.plan.resolve import check_plan
-    from moe_jax.train_step import RATE, abstract_state, train_step, with_shardings
-    base = config_lib.load(runpy.run_path("configs/megascale_352b.py")["get_config"]())
+    from moe_jax.train_step import abstract_state
+    from tests.abstract_step import compile_step, held_bytes
+    raw = runpy.run_path("configs/megascale_352b.py")["get_config"]()
+    raw.data.source, raw.data.path = "tokens", "unread"  # a real run's batch: documents
+    base = config_lib.load(raw)
     # One pipeline of the planner's 1,440-H800 plan (`python -m moe_jax.plan
     # --config=configs/megascale_352b.py --gpus=1440`: 15 stages x 4 repeats of sp
     # attention and expert all-to-alls over n=8 with collective matmul, data=12, 30
@@ -115,18 +116,8 @@ MEGASCALE_352B = textwrap.dedent(
     layout = mesh_lib.make_layout(config, mesh_lib.make_mesh(config))
     graphdef, abstract = abstract_state(config, layout)
     shardings = mesh_lib.train_state_shardings(abstract, layout, 0)
-    tokens = jax.ShapeDtypeStruct(
-        (60, config.train.seq_len), jnp.int32, sharding=mesh_lib.batch_sharding(layout)
-    )
-    step = jax.jit(
-        partial(train_step, graphdef, config), donate_argnums=0, out_shardings=(shardings, None)
-    )
-    placed = with_shardings(abstract, shardings)
-    compiled = step.lower(placed, {"inputs": tokens, "targets": tokens}, RATE).compile()
-    m = compiled.memory_analysis()
-    held = m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes
-    held -= m.alias_size_in_bytes
-    print(config.model.num_layers, held, memory.memory_per_device(config).total)
+    compiled = compile_step(config, layout, graphdef, abstract, shardings)
+    print(config.model.num_layers, held_bytes(compiled), memory.memory_per_device(config).total)
     print(compiled.as_text())
     """
 )

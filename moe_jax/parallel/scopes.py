@@ -18,7 +18,8 @@ GRAD_EXCHANGE = "grad_exchange"
 # (`moe_jax.parallel.pipeline`).
 PIPELINE, STAGE_SEND = "pipeline", "stage_send"
 # The batch's per-document positions (data.document_mask) gathered for layouts that
-# split the sequence (`moe_jax.parallel.layout.Layout.positions`).
+# split the sequence (`moe_jax.parallel.layout.Layout.positions`) and for every stage
+# of a pipeline (`moe_jax.parallel.pipeline`).
 DOCUMENT_POSITIONS = "document_positions"
 # The scopes that make a collective an activation exchange, in the order the reader
 # tries them (`moe_jax.tools.hlo_collectives`' `tag`).

@@ -25,6 +25,7 @@ import dataclasses
 from fractions import Fraction
 
 from moe_jax.config import Config
+from moe_jax.data.documents import masked
 from moe_jax.parallel import registry
 from moe_jax.parallel.spec import Sizes
 
@@ -100,8 +101,8 @@ def document_positions_bytes(config: Config) -> int:
     intra group (tp, sp) hands attention the whole sequence's, one all-gather over its n
     devices ((n - 1) / n of them arrive); a pipeline hands every stage every
     micro-batch's, one all-gather over the S stages (S - 1 stages' rows arrive)."""
-    d, p, tc = config.data, config.parallel, config.train
-    if not (d.document_mask and d.source != "synthetic"):
+    p, tc = config.parallel, config.train
+    if not masked(config.data):
         return 0
     row = tc.seq_len * 4  # int32 positions of one whole sequence
     rows = Fraction(tc.batch_size, registry.batch_split(config) * p.stages)
