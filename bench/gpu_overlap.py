@@ -30,9 +30,11 @@ import re
 import sys
 
 SMALL = "--small" in sys.argv
-if SMALL:  # before jax is imported
+if SMALL:  # before jax is imported; any XLA flags of yours are kept
     os.environ["JAX_PLATFORMS"] = "cpu"
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    )
 
 import json  # noqa: E402
 from functools import partial  # noqa: E402
