@@ -63,6 +63,18 @@ MLA = dataclasses.replace(
         v_head_dim=5,
     ),
 )
+
+
+def on_ragged_dot(config: Config) -> Config:
+    """`config` with its experts multiplied by `ragged_dot`, the GPU path's kernel. The
+    tests of what moves between devices (rings, FP8 tokens, bf16 gradients) use it:
+    the kernel does not change what is exchanged, those features are for GPUs, and
+    XLA:CPU compiles it a third faster than `tiled`'s loop per run of tiles (slower to
+    run, at these sizes nothing). The layout matrix, the memory tests and the rest
+    keep `tiled`, the CPU path."""
+    return dataclasses.replace(config, moe=dataclasses.replace(config.moe, impl="ragged_dot"))
+
+
 # Halves XLA:CPU compile time; these tests check numbers and collectives, not speed.
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 STEPS = 3

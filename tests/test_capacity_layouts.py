@@ -14,6 +14,7 @@ compiled buckets are [E/n, C, d], not the [E/n, n·C, d] a local capacity would 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -117,9 +118,10 @@ def test_capacity_matches_its_single_device_definition(experts: str, scope: str,
 @pytest.mark.parametrize("experts,local", [("ep_ag", 2), ("ep_etp", 4)])
 def test_all_gather_forms_compute_their_share_of_the_slots(experts: str, local: int):
     """dp at (data 2, n 4): a group gathers 4 sequences of 16 tokens, capacity
-    ceil(0.75 · 64 · 2 / 8) = 12 slots per expert, and each device buckets its local
-    experts' 12 slots each, not the ceil(0.75 · 64 · 2 / local) a capacity computed for
-    its local experts alone would give (etp holds all 8 experts: nothing to check)."""
+    ceil(0.75 · 64 · 2 / 8) = 12 slots per expert, and each device's buffer of kept rows
+    holds its local experts' 12 slots each (sorted by expert, each group padded to the
+    tile of 16), not the ceil(0.75 · 64 · 2 / local) a capacity computed for its local
+    experts alone would give (etp holds all 8 experts: nothing to check)."""
     config = check_plan(
         dataclasses.replace(with_plan("dp", 2, 4, experts), moe=CFG), jax.device_count()
     )
@@ -127,7 +129,10 @@ def test_all_gather_forms_compute_their_share_of_the_slots(experts: str, local: 
     params = _params()
     x = jax.ShapeDtypeStruct(SHAPE, jnp.float32)
     lowered = jax.jit(lambda p, x: layout.moe(moe_forward, x, p, CFG)[0]).lower(params, x)
-    text = lowered.as_text()
-    assert f"tensor<{local}x12x{DIM}xf32>" in text
-    wrong = -(-75 * 64 * 2 // (100 * local))
-    assert f"tensor<{local}x{wrong}x{DIM}xf32>" not in text
+    gathered = set(
+        re.findall(r'"stablehlo.gather".*-> tensor<(\d+)x' f"{DIM}xf32>", lowered.as_text())
+    )
+    tile = CFG.tile(64)
+    rows = lambda slots: -(-(min(64 * 2, local * slots) + local * (tile - 1)) // tile) * tile
+    assert str(rows(12)) in gathered  # the dispatch gather's kept-row buffer
+    assert str(rows(-(-75 * 64 * 2 // (100 * local)))) not in gathered

@@ -13,7 +13,16 @@ import numpy as np
 import pytest
 
 from moe_jax.tools import hlo_collectives
-from tests.layouts import BASE, DENSE, assert_leaves_close_in_norm, planned, with_plan
+from tests.layouts import (
+    BASE,
+    DENSE,
+    assert_leaves_close_in_norm,
+    on_ragged_dot,
+    planned,
+    with_plan,
+)
+
+BASE, DENSE = on_ragged_dot(BASE), on_ragged_dot(DENSE)  # the GPU path's expert kernel
 
 
 def _ring(config, chunks: int = 1):
@@ -55,7 +64,7 @@ def test_rings_give_the_numbers_of_the_collectives(attention, experts, data, int
 @pytest.mark.parametrize("attention,experts,chunks", [("tp", "ep_ag", 2), ("sp", "etp", 2)])
 def test_rings_inside_chunks_give_the_numbers_of_one_block(attention, experts, chunks):
     """Both overlaps at once: C chunks, each ringed."""
-    one = with_plan(attention, 2, 4, experts)
+    one = with_plan(attention, 2, 4, experts, base=BASE)
     _assert_same_numbers(planned(_ring(one, chunks)), planned(one))
 
 

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 from moe_jax.parallel import registry
 from moe_jax.parallel.fp8_exchange import dequantize, fp8_collective, quantize
 from moe_jax.tools import comm_report, hlo_collectives, lowered_dtypes
-from tests.layouts import BASE, assert_leaves_close_in_norm, planned, with_plan
+from tests.layouts import BASE, assert_leaves_close_in_norm, on_ragged_dot, planned, with_plan
 
 # E4M3: 3 mantissa bits, so rounding to nearest is within 2^-4 of a normal value; below
 # the smallest normal (2^-6 of the scale unit) the spacing is 2^-9, half of it 2^-10.
@@ -94,7 +94,7 @@ def test_directional_derivatives_agree_with_the_plain_path_within_the_bound():
 
 # A model whose exchanged rows are whole 128-channel blocks (embed 256, head_dim 128).
 WIDE = dataclasses.replace(
-    BASE,
+    on_ragged_dot(BASE),  # the GPU path's expert kernel
     model=dataclasses.replace(
         BASE.model, embed_dim=256, num_heads=4, num_kv_heads=4, head_dim=128, dtype="bfloat16"
     ),

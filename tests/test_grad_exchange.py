@@ -25,16 +25,25 @@ from moe_jax.parallel.layout import DATA
 from moe_jax.parallel.scopes import GRAD_EXCHANGE
 from moe_jax.tools import hlo_collectives, lowered_dtypes
 from moe_jax.train_step import loss_fn
-from tests.layouts import BASE, assert_leaves_close_in_norm, batch, planned, with_plan
+from tests.layouts import (
+    BASE,
+    assert_leaves_close_in_norm,
+    batch,
+    on_ragged_dot,
+    planned,
+    with_plan,
+)
+
+BASE = on_ragged_dot(BASE)  # the GPU path's expert kernel
 
 VOCAB = dataclasses.replace(BASE, model=dataclasses.replace(BASE.model, vocab_size=256))
 PLANS = {
-    "sp+ep_a2a": with_plan("sp", 2, 4, "ep_a2a"),
+    "sp+ep_a2a": with_plan("sp", 2, 4, "ep_a2a", base=BASE),
     "tp+ep_a2a,vocab_parallel": dataclasses.replace(
         with_plan("tp", 2, 4, "ep_a2a", base=VOCAB),
         parallel=dataclasses.replace(with_plan("tp", 2, 4, "ep_a2a").parallel, vocab_parallel=True),
     ),
-    "tp+etp,zero1": with_plan("tp", 2, 4, "etp", zero=1),
+    "tp+etp,zero1": with_plan("tp", 2, 4, "etp", base=BASE, zero=1),
     "sp+ep_a2a,grad_accum2": with_plan(
         "sp",
         2,
@@ -43,7 +52,7 @@ PLANS = {
         base=dataclasses.replace(BASE, train=dataclasses.replace(BASE.train, grad_accum=2)),
     ),
     "fsdp+ep_ag,expert_fsdp": dataclasses.replace(
-        with_plan("fsdp", 2, 4, "ep_ag"),
+        with_plan("fsdp", 2, 4, "ep_ag", base=BASE),
         parallel=dataclasses.replace(with_plan("fsdp", 2, 4).parallel, expert_fsdp=True),
     ),
 }

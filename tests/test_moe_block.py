@@ -160,3 +160,26 @@ def test_bias_changes_selection_not_weights():
     ref_y, chosen, _ = reference.moe_forward(x, params, block.bias[...], cfg)
     assert (np.asarray(chosen) == 3).any(-1).all()
     np.testing.assert_allclose(block(x)[0], ref_y, rtol=1e-5, atol=1e-6)
+
+
+def test_capacity_multiplies_no_more_than_dropless():
+    """Capacity factor 2.0 bounds buffers, it adds no FLOPs: the compiled forward and
+    backward of the block in capacity mode count at most 5% more FLOPs than the dropless
+    block's (XLA's cost analysis), where fixed [E, C] buckets multiplied every padded
+    row (twice the routed rows at factor 2)."""
+
+    def flops(capacity_factor: float) -> float:
+        cfg = MoEConfig(num_experts=8, top_k=2, expert_mlp_dim=128, capacity_factor=capacity_factor)
+        block = MoE(64, cfg, rngs=nnx.Rngs(0))
+        graphdef, params, rest = nnx.split(block, nnx.Param, ...)
+        x = jax.ShapeDtypeStruct((4, 128, 64), jnp.float32)
+
+        def loss(params, x):
+            y, _ = nnx.merge(graphdef, params, rest)(x)
+            return jnp.sum(y * y)
+
+        compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x).compile()
+        return compiled.cost_analysis()["flops"]
+
+    dropless, capacity = flops(0.0), flops(2.0)
+    assert capacity <= 1.05 * dropless, (capacity, dropless)

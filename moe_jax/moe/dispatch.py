@@ -6,6 +6,8 @@ weighted gather, with static shapes whatever the routing:
 
 * `sorted_layout`: rows sorted by expert, each expert's group padded to a
   multiple of `tile` (tile=1: no padding, the `ragged_dot` contract).
+  With a capacity, at most that many rows per expert in a buffer no larger than
+  `[E, C]` buckets (capacity mode's expert compute: only kept rows are multiplied).
 * `capacity_layout`: a fixed bucket of `capacity` rows per expert, `[E, C]`,
   filled in priority order; assignments past capacity were dropped by routing,
   or get no row (the all-to-all's bounded per-destination buffers).
@@ -36,22 +38,31 @@ def _round_up(x, multiple):
     return (x + multiple - 1) // multiple * multiple
 
 
-def sorted_layout(routing: Routing, num_experts: int, tile: int = 1) -> RowMap:
-    """Rows grouped by expert in expert order, each group padded to `tile` rows."""
+def sorted_layout(
+    routing: Routing, num_experts: int, tile: int = 1, capacity: int | None = None
+) -> RowMap:
+    """Rows grouped by expert in expert order, each group padded to `tile` rows. With
+    `capacity`, each expert keeps at most that many rows (its first assignments in
+    token order; capacity-mode routing never keeps more) in a buffer of at most
+    `num_experts * capacity` rows plus the padding: what fixed [E, C] buckets hold."""
     num_tokens, k = routing.expert_index.shape
     assignments = num_tokens * k
-    num_rows = _round_up(assignments + num_experts * (tile - 1), tile)
+    held = assignments if capacity is None else min(assignments, num_experts * capacity)
+    num_rows = _round_up(held + num_experts * (tile - 1), tile)
     expert = jnp.where(routing.keep, routing.expert_index, num_experts).reshape(-1)
     order = jnp.argsort(expert, stable=True)
     counts = jnp.bincount(expert, length=num_experts + 1)[:num_experts]
-    padded = _round_up(counts, tile)
     starts = jnp.cumsum(counts) - counts
+    if capacity is not None:
+        counts = jnp.minimum(counts, capacity)
+    padded = _round_up(counts, tile)
     padded_ends = jnp.cumsum(padded)
     padded_starts = padded_ends - padded
     sorted_expert = expert[order]
     safe = jnp.minimum(sorted_expert, num_experts - 1)
     rank = jnp.arange(assignments) - starts[safe]
-    row_sorted = jnp.where(sorted_expert < num_experts, padded_starts[safe] + rank, num_rows)
+    placed = (sorted_expert < num_experts) & (rank < counts[safe])
+    row_sorted = jnp.where(placed, padded_starts[safe] + rank, num_rows)
     row = jnp.zeros(assignments, jnp.int32).at[order].set(row_sorted.astype(jnp.int32))
     token = jnp.arange(assignments, dtype=jnp.int32) // k
     source = jnp.full(num_rows, num_tokens, jnp.int32).at[row].set(token, mode="drop")

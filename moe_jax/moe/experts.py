@@ -49,10 +49,19 @@ def _swiglu(x: jax.Array, w: ExpertWeights, gmm: Gmm) -> jax.Array:
     return remat.tag(gmm(jax.nn.silu(gate) * up, w.down), remat.FC2)
 
 
-def _sorted(x: jax.Array, routing: Routing, w: ExpertWeights, cfg: MoEConfig, grouped, tile=1):
-    """Dispatch into rows sorted by expert (groups padded to `tile`), the SwiGLU with
-    `grouped(rows, weight, group_sizes)` as its matmul, combine."""
-    rows = dsp.sorted_layout(routing, cfg.num_experts, tile)
+def _sorted(
+    x: jax.Array,
+    routing: Routing,
+    w: ExpertWeights,
+    cfg: MoEConfig,
+    grouped,
+    tile: int = 1,
+    capacity: int | None = None,
+):
+    """Dispatch into rows sorted by expert (groups padded to `tile`, at most `capacity`
+    rows each), the SwiGLU with `grouped(rows, weight, group_sizes)` as its matmul,
+    combine."""
+    rows = dsp.sorted_layout(routing, cfg.num_experts, tile, capacity)
     gmm = lambda r, weight: grouped(r, weight, rows.group_sizes)
     return dsp.combine(_swiglu(dsp.dispatch(x, rows), w, gmm), rows, routing)
 
@@ -90,15 +99,18 @@ def pallas(x: jax.Array, routing: Routing, w: ExpertWeights, cfg: MoEConfig) -> 
 def capacity(
     x: jax.Array, routing: Routing, w: ExpertWeights, cfg: MoEConfig, slots: int | None = None
 ) -> jax.Array:
-    """Fixed `[E, C, d]` buckets and one batched matmul per projection. C is
-    `cfg.capacity` of these tokens, or `slots` when the drops were decided over more
-    experts than the `cfg.num_experts` computed here (an expert-parallel group)."""
+    """Capacity mode: at most C kept assignments per expert (routing dropped the rest),
+    C being `cfg.capacity` of these tokens, or `slots` when the drops were decided over
+    more experts than the `cfg.num_experts` computed here (an expert-parallel group).
+    The kept rows, sorted by expert in a buffer no larger than [E, C] buckets, go
+    through the platform's grouped kernel (`tiled` on CPU, `ragged_dot` elsewhere), so
+    only kept rows are multiplied: the capacity factor bounds buffers and drops tokens
+    without adding the padded buckets' FLOPs."""
     slots = slots or cfg.capacity(x.shape[0])
-    rows = dsp.capacity_layout(routing, cfg.num_experts, slots)
-    buckets = dsp.dispatch(x, rows).reshape(cfg.num_experts, slots, -1)
-    gmm = lambda r, weight: jnp.einsum("ecd,edf->ecf", r, weight)
-    out = _swiglu(buckets, w, gmm).reshape(cfg.num_experts * slots, -1)
-    return dsp.combine(out, rows, routing)
+    if capacity_kernel() == "tiled":
+        tile = cfg.tile(x.shape[0])
+        return _sorted(x, routing, w, cfg, partial(tiled_gmm, tile=tile), tile, slots)
+    return _sorted(x, routing, w, cfg, ragged_gmm, capacity=slots)
 
 
 def dense(x: jax.Array, routing: Routing, w: ExpertWeights, cfg: MoEConfig) -> jax.Array:
@@ -134,11 +146,15 @@ def compute(
     return IMPLS[name](x, routing, w, cfg)
 
 
+def capacity_kernel(platform: str | None = None) -> str:
+    """The grouped kernel that multiplies capacity mode's kept rows on `platform`."""
+    return "tiled" if (platform or jax.default_backend()) == "cpu" else "ragged_dot"
+
+
 def resolve_impl(cfg: MoEConfig, platform: str | None = None) -> str:
     """The implementation `moe.impl` names, with `auto` chosen per platform and mode."""
     if cfg.impl != "auto":
         return cfg.impl
     if not cfg.dropless:
         return "capacity"
-    platform = platform or jax.default_backend()
-    return "tiled" if platform == "cpu" else "ragged_dot"
+    return capacity_kernel(platform)  # the same per-platform kernel as capacity mode

@@ -18,7 +18,7 @@ import dataclasses
 from moe_jax.config import Config, MoEConfig
 from moe_jax.model.loss import loss_chunks
 from moe_jax.model.mtp import is_moe
-from moe_jax.moe.experts import resolve_impl
+from moe_jax.moe.experts import capacity_kernel, resolve_impl
 from moe_jax.parallel import registry
 from moe_jax.parallel.layout import DATA, INTRA
 from moe_jax.plan import memory_mla
@@ -155,21 +155,22 @@ def _expert_terms(
     independent groups the rows are computed in (chunks, ring steps), each with its
     own tile-padded buffer."""
     impl, e_local = resolve_impl(moe), moe.num_experts
+    per = tokens // pieces
+    held = per * choices  # rows a piece holds (capacity mode: at most its [E, C] buckets)
+    if impl == "capacity":
+        held, impl = min(held, e_local * (slots or moe.capacity(per))), capacity_kernel()
     weights = 3 * e_local * z.h * f_local * z.B
     if impl == "tiled":  # tile-padded rows, each piece its own buffer and chunk plan
-        per = tokens // pieces
         tile = moe.tile(per)
-        padded = -(-(per * choices + e_local * (tile - 1)) // tile) * tile
+        padded = -(-(held + e_local * (tile - 1)) // tile) * tile
         rows = pieces * padded
         levels = max(1, (padded // tile).bit_length())
         indices = rows + pieces * levels * (2 * e_local + 1)
         # the weights are cast once per piece, but each cast lives only while its piece
         # runs: one piece's copy at a time (the pieces' gradient accumulators, which do
         # all live at once, are `piece_gradient_bytes`)
-    else:  # ragged_dot / capacity / dense
-        capacity = slots or moe.capacity(tokens)
-        rows = e_local * capacity if impl == "capacity" else tokens * choices
-        indices = rows
+    else:  # ragged_dot / dense
+        rows = indices = pieces * held
     # float32 weights are read as the parameters themselves, unless gathered over 'data'
     weights = weights if z.B != FP32 or config.parallel.expert_fsdp else 0
     return {
@@ -275,7 +276,7 @@ def piece_gradient_bytes(config: Config, micro_batch: int | None = None) -> int:
     copied per loop; tests/test_plan_memory.py, the 'rings' Mixtral plan: 96
     f32[8, 4096, 1792] live at the peak). Part of the backward's working set, once."""
     e = config.moe
-    if resolve_impl(e) != "tiled":
+    if resolve_impl(e) not in ("tiled", "capacity") or capacity_kernel() != "tiled":
         return 0
     z = _sizes(config, micro_batch)
     pieces = _expert_pieces(config, z)
