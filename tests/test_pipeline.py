@@ -28,14 +28,27 @@ from moe_jax.parallel.layout import MESH_AXES, STAGE, Layout
 from moe_jax.parallel.scopes import PIPELINE
 from moe_jax.plan.resolve import check_plan
 from moe_jax.tools import hlo_collectives
+from tests import pipelined as piped
 from tests.layouts import (
     assert_leaves_close_in_norm,
     assert_trees_close,
+    on_ragged_dot,
     planned,
     reference,
     run_under,
 )
-from tests.pipelined import MODEL, one_device, pipeline_trip_counts, pipelined
+from tests.pipelined import MODEL, pipeline_trip_counts
+
+
+# The schedule is the subject here, not the expert kernel: the GPU path's `ragged_dot`
+# (tests.layouts.on_ragged_dot; the pipeline state, training and memory tests run tiled).
+def pipelined(*args, **kwargs):
+    return on_ragged_dot(piped.pipelined(*args, **kwargs))
+
+
+def one_device(micro: int):
+    return on_ragged_dot(piped.one_device(micro))
+
 
 # (stage, data, intra, repeats) meshes with M = S micro-batches, and also M = 2 S on two
 # of them (one of 2 stages, one of 4); R = 2 on the last.
