@@ -66,15 +66,19 @@ def _sorted(
     return dsp.combine(_swiglu(dsp.dispatch(x, rows), w, gmm), rows, routing)
 
 
-def tiled(x: jax.Array, routing: Routing, w: ExpertWeights, cfg: MoEConfig) -> jax.Array:
+def tiled(
+    x: jax.Array, routing: Routing, w: ExpertWeights, cfg: MoEConfig, capacity: int | None = None
+) -> jax.Array:
     """Sorted, tile-padded rows, each group multiplied in runs of whole tiles (CPU)."""
     tile = cfg.tile(x.shape[0])
-    return _sorted(x, routing, w, cfg, partial(tiled_gmm, tile=tile), tile)
+    return _sorted(x, routing, w, cfg, partial(tiled_gmm, tile=tile), tile, capacity)
 
 
-def ragged_dot(x: jax.Array, routing: Routing, w: ExpertWeights, cfg: MoEConfig) -> jax.Array:
+def ragged_dot(
+    x: jax.Array, routing: Routing, w: ExpertWeights, cfg: MoEConfig, capacity: int | None = None
+) -> jax.Array:
     """Sorted rows and XLA's `ragged_dot` (the GPU/TPU path)."""
-    return _sorted(x, routing, w, cfg, ragged_gmm)
+    return _sorted(x, routing, w, cfg, ragged_gmm, capacity=capacity)
 
 
 def tokamax(x: jax.Array, routing: Routing, w: ExpertWeights, cfg: MoEConfig) -> jax.Array:
@@ -106,11 +110,8 @@ def capacity(
     through the platform's grouped kernel (`tiled` on CPU, `ragged_dot` elsewhere), so
     only kept rows are multiplied: the capacity factor bounds buffers and drops tokens
     without adding the padded buckets' FLOPs."""
-    slots = slots or cfg.capacity(x.shape[0])
-    if capacity_kernel() == "tiled":
-        tile = cfg.tile(x.shape[0])
-        return _sorted(x, routing, w, cfg, partial(tiled_gmm, tile=tile), tile, slots)
-    return _sorted(x, routing, w, cfg, ragged_gmm, capacity=slots)
+    kernel = tiled if capacity_kernel() == "tiled" else ragged_dot
+    return kernel(x, routing, w, cfg, capacity=slots or cfg.capacity(x.shape[0]))
 
 
 def dense(x: jax.Array, routing: Routing, w: ExpertWeights, cfg: MoEConfig) -> jax.Array:
@@ -149,6 +150,13 @@ def compute(
 def capacity_kernel(platform: str | None = None) -> str:
     """The grouped kernel that multiplies capacity mode's kept rows on `platform`."""
     return "tiled" if (platform or jax.default_backend()) == "cpu" else "ragged_dot"
+
+
+def kernel_of(cfg: MoEConfig, platform: str | None = None) -> str:
+    """The kernel that multiplies the rows: `resolve_impl`'s, with capacity mode's
+    grouped kernel for `capacity` (what the memory model sizes)."""
+    impl = resolve_impl(cfg, platform)
+    return capacity_kernel(platform) if impl == "capacity" else impl
 
 
 def resolve_impl(cfg: MoEConfig, platform: str | None = None) -> str:

@@ -18,7 +18,7 @@ import dataclasses
 from moe_jax.config import Config, MoEConfig
 from moe_jax.model.loss import loss_chunks
 from moe_jax.model.mtp import is_moe
-from moe_jax.moe.experts import capacity_kernel, resolve_impl
+from moe_jax.moe.experts import kernel_of, resolve_impl
 from moe_jax.parallel import registry
 from moe_jax.parallel.layout import DATA, INTRA
 from moe_jax.plan import memory_mla
@@ -154,11 +154,11 @@ def _expert_terms(
     when drops were decided over all experts (the all-gather forms). `pieces`: the
     independent groups the rows are computed in (chunks, ring steps), each with its
     own tile-padded buffer."""
-    impl, e_local = resolve_impl(moe), moe.num_experts
+    impl, e_local = kernel_of(moe), moe.num_experts
     per = tokens // pieces
     held = per * choices  # rows a piece holds (capacity mode: at most its [E, C] buckets)
-    if impl == "capacity":
-        held, impl = min(held, e_local * (slots or moe.capacity(per))), capacity_kernel()
+    if resolve_impl(moe) == "capacity":
+        held = min(held, e_local * (slots or moe.capacity(per)))
     weights = 3 * e_local * z.h * f_local * z.B
     if impl == "tiled":  # tile-padded rows, each piece its own buffer and chunk plan
         tile = moe.tile(per)
@@ -276,7 +276,7 @@ def piece_gradient_bytes(config: Config, micro_batch: int | None = None) -> int:
     copied per loop; tests/test_plan_memory.py, the 'rings' Mixtral plan: 96
     f32[8, 4096, 1792] live at the peak). Part of the backward's working set, once."""
     e = config.moe
-    if resolve_impl(e) not in ("tiled", "capacity") or capacity_kernel() != "tiled":
+    if kernel_of(e) != "tiled":
         return 0
     z = _sizes(config, micro_batch)
     pieces = _expert_pieces(config, z)
