@@ -82,7 +82,9 @@ def step_program(attention: str, experts: str, chunks: int, ring: bool = False) 
             head_dim=width // 8,
             dtype="float32" if SMALL else "bfloat16",
         ),
-        moe=MoEConfig(num_experts=8, top_k=2, expert_mlp_dim=2 * width),
+        # the GPU path's kernel, named so that the CPU dry run (and the overlap notebook,
+        # which shares its programs) compiles it too
+        moe=MoEConfig(num_experts=8, top_k=2, expert_mlp_dim=2 * width, impl="ragged_dot"),
         train=TrainConfig(batch_size=DEVICES, seq_len=seq),
         parallel=ParallelConfig(
             attention=attention,

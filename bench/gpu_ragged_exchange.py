@@ -69,7 +69,8 @@ def make_config(small: bool, dtype: str, devices: int) -> Config:
             mlp_dim=2 * width,
             dtype=dtype,
         ),
-        moe=MoEConfig(num_experts=8, top_k=2, expert_mlp_dim=width),
+        # the GPU path's kernel, named so that a CPU dry run compiles it too
+        moe=MoEConfig(num_experts=8, top_k=2, expert_mlp_dim=width, impl="ragged_dot"),
         train=TrainConfig(batch_size=8, seq_len=seq),
         parallel=ParallelConfig(attention="dp", experts="ep_a2a", intra=devices, data=1),
     )

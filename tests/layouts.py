@@ -48,31 +48,37 @@ DENSE = dataclasses.replace(
     model=dataclasses.replace(BASE.model, num_layers=3, first_k_dense=1, mlp_dim=32),
     moe=dataclasses.replace(BASE.moe, num_shared_experts=1, shared_mlp_dim=16),
 )
-# BASE with multi-head latent attention (model.attention='mla'): a query latent, values
-# narrower than queries and keys (5 vs 6 + 4), every head its own key and value.
-MLA = dataclasses.replace(
-    BASE,
-    model=dataclasses.replace(
-        BASE.model,
-        attention="mla",
-        num_kv_heads=8,
-        q_lora_rank=12,
-        kv_lora_rank=10,
-        qk_nope_head_dim=6,
-        qk_rope_head_dim=4,
-        v_head_dim=5,
-    ),
-)
 
 
 def on_ragged_dot(config: Config) -> Config:
     """`config` with its experts multiplied by `ragged_dot`, the GPU path's kernel. The
-    tests of what moves between devices (rings, FP8 tokens, bf16 gradients) use it:
-    the kernel does not change what is exchanged, those features are for GPUs, and
-    XLA:CPU compiles it a third faster than `tiled`'s loop per run of tiles (slower to
-    run, at these sizes nothing). The layout matrix, the memory tests and the rest
-    keep `tiled`, the CPU path."""
+    tests whose subject is not the expert kernel use it: what moves between devices
+    (rings, FP8 tokens, bf16 gradients), the pipeline's schedules, MLA, MTP, sharded
+    embeddings and experts, the imported families' features. The kernel changes none
+    of those, and XLA:CPU compiles it a third faster than `tiled`'s loop per run of
+    tiles (slower to run, at these sizes nothing). The layout matrix, the memory tests
+    and the trainer keep `tiled`, the CPU path."""
     return dataclasses.replace(config, moe=dataclasses.replace(config.moe, impl="ragged_dot"))
+
+
+# BASE with multi-head latent attention (model.attention='mla'): a query latent, values
+# narrower than queries and keys (5 vs 6 + 4), every head its own key and value. Its
+# experts run ragged_dot (`on_ragged_dot`): attention is what its tests are about.
+MLA = on_ragged_dot(
+    dataclasses.replace(
+        BASE,
+        model=dataclasses.replace(
+            BASE.model,
+            attention="mla",
+            num_kv_heads=8,
+            q_lora_rank=12,
+            kv_lora_rank=10,
+            qk_nope_head_dim=6,
+            qk_rope_head_dim=4,
+            v_head_dim=5,
+        ),
+    )
+)
 
 
 # Halves XLA:CPU compile time; these tests check numbers and collectives, not speed.

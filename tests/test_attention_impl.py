@@ -151,8 +151,8 @@ def test_memory_model_counts_no_scores_for_flash_attention(attention, data, intr
 
 
 def _with_impl(attention: str, data: int, intra: int, impl: str) -> Config:
-    model = dataclasses.replace(layouts.BASE.model, attention_impl=impl)
-    base = dataclasses.replace(layouts.BASE, model=model)
+    base = layouts.on_ragged_dot(layouts.BASE)  # attention is the subject, not the experts
+    base = dataclasses.replace(base, model=dataclasses.replace(base.model, attention_impl=impl))
     return check_plan(layouts.with_plan(attention, data, intra, "ep_a2a", base=base), 8)
 
 

@@ -11,11 +11,23 @@ import jax
 import numpy as np
 import pytest
 
-from tests.layouts import BASE, DENSE, assert_trees_close, planned, reference, with_plan
+from tests.layouts import (
+    BASE,
+    DENSE,
+    assert_trees_close,
+    on_ragged_dot,
+    planned,
+    reference,
+    with_plan,
+)
 from tests.test_parallel import _assert_first_step_matches
 
-# Every attention and every expert layout once; tp+ep_etp and sp+ep_a2a are also the
-# plain programs of test_collective_matmul.py (the session's compilation cache shares them).
+# The dense layers, the shared experts and bfloat16 are the subject, not the expert
+# kernel: the experts run ragged_dot (tests.layouts.on_ragged_dot), as in
+# test_collective_matmul.py, whose plain programs are tp+ep_etp and sp+ep_a2a here
+# (the session's compilation cache shares them).
+BASE, DENSE = on_ragged_dot(BASE), on_ragged_dot(DENSE)
+# Every attention and every expert layout once.
 DENSE_PLANS = [("dp", "etp"), ("fsdp", "ep_ag"), ("tp", "ep_etp"), ("sp", "ep_a2a")]
 
 

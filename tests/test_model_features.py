@@ -12,7 +12,11 @@ import pytest
 
 from moe_jax.config import ParallelConfig
 from moe_jax.plan.resolve import check_plan
-from tests.layouts import BASE, assert_trees_close, planned, reference
+from tests.layouts import BASE as TILED
+from tests.layouts import assert_trees_close, on_ragged_dot, planned, reference
+
+# Experts run ragged_dot (tests.layouts.on_ragged_dot): the features are the subject.
+BASE = on_ragged_dot(TILED)
 
 QWEN_LIKE = dataclasses.replace(
     BASE,

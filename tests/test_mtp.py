@@ -23,6 +23,7 @@ from tests.layouts import (
     FAST_COMPILE,
     assert_trees_close,
     batch,
+    on_ragged_dot,
     planned,
     reference,
     with_plan,
@@ -41,9 +42,12 @@ def _mtp(config, depth: int, **train):
 # The pipeline tests' model (a dense first layer, four MoE layers, aux and sequence aux
 # losses, bias updates) with vocabulary 256 (intra 4 divides it) and two MTP modules
 # (MoE blocks, as layers 5 and 6 would be), accumulating M = 4 micro-batches: the one
-# single-device reference of every multi-device test here.
+# single-device reference of every multi-device test here. Experts run ragged_dot
+# (tests.layouts.on_ragged_dot): MTP, not the expert kernel, is the subject.
 BASE = _mtp(
-    dataclasses.replace(one_device(4), model=dataclasses.replace(MODEL.model, vocab_size=256)),
+    on_ragged_dot(
+        dataclasses.replace(one_device(4), model=dataclasses.replace(MODEL.model, vocab_size=256))
+    ),
     2,
     mtp_loss_weight=0.3,
 )

@@ -34,11 +34,15 @@ from moe_jax.parallel.ragged_exchange import (
     send_header,
 )
 from moe_jax.plan.resolve import check_plan
-from tests.layouts import BASE, loss_and_grads, reference, with_plan
+from tests.layouts import BASE as TILED
+from tests.layouts import loss_and_grads, on_ragged_dot, reference, with_plan
 from tests.test_parallel import MESHES
 
 on_cpu = jax.default_backend() == "cpu"
 needs_device = pytest.mark.skipif(on_cpu, reason="XLA:CPU does not implement ragged_all_to_all")
+# The GPU path's kernel behind the ragged exchange (tests.layouts.on_ragged_dot): the
+# exchange is the subject here, not the expert kernel.
+BASE = on_ragged_dot(TILED)
 needs_8 = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
 EXCHANGES = [
     pytest.param(False, marks=needs_device, id="device"),
@@ -191,7 +195,7 @@ def exchange(request, monkeypatch):
 
 
 def _layout(data: int, intra: int, spec=EP_A2A_RAGGED, attention: str = "dp"):
-    config = with_plan(attention, data, intra, "ep_a2a")
+    config = with_plan(attention, data, intra, "ep_a2a", BASE)
     config = check_plan(config, jax.device_count())
     layout = mesh_lib.make_layout(config, mesh_lib.make_mesh(config))
     return config, dataclasses.replace(layout, expert_spec=spec)
@@ -262,7 +266,13 @@ def test_matches_padded_exchange(exchange, case: str, data: int, intra: int):
     (every token to experts 0 and 1: their owners' receive buffers full) and capacity
     drops included."""
     capacity_factor, skew = BLOCK_CASES[case]
-    cfg = MoEConfig(num_experts=8, top_k=2, expert_mlp_dim=16, capacity_factor=capacity_factor)
+    cfg = MoEConfig(
+        num_experts=8,
+        top_k=2,
+        expert_mlp_dim=16,
+        capacity_factor=capacity_factor,
+        impl=BASE.moe.impl,
+    )
     params = _moe_params(cfg, 32, jnp.zeros(8).at[:2].set(skew))
     x = jax.random.normal(jax.random.key(4), (8, 16, 32))
     _, ragged = _layout(data, intra)
@@ -279,7 +289,13 @@ def test_fp8_matches_the_padded_fp8_exchange(exchange, case: str):
     FP8, and differ from the native exchange by E4M3's rounding (the backward is bf16's
     transpose: never FP8)."""
     capacity_factor, skew = BLOCK_CASES[case]
-    cfg = MoEConfig(num_experts=8, top_k=2, expert_mlp_dim=16, capacity_factor=capacity_factor)
+    cfg = MoEConfig(
+        num_experts=8,
+        top_k=2,
+        expert_mlp_dim=16,
+        capacity_factor=capacity_factor,
+        impl=BASE.moe.impl,
+    )
     params = _moe_params(cfg, 256, jnp.zeros(8).at[:2].set(skew))  # two 128-channel blocks
     x = jax.random.normal(jax.random.key(4), (8, 16, 256))
     data, intra = BLOCK_MESHES[-1]

@@ -16,8 +16,12 @@ import pytest
 
 from moe_jax.plan.resolve import check_plan
 from moe_jax.tools import hlo_collectives
-from tests.layouts import BASE, assert_trees_close, planned, reference, with_plan
+from tests.layouts import BASE as TILED
+from tests.layouts import assert_trees_close, on_ragged_dot, planned, reference, with_plan
 
+# Experts run ragged_dot (tests.layouts.on_ragged_dot): where the weights live and what
+# moves is the subject, not the expert kernel.
+BASE = on_ragged_dot(TILED)
 VOCAB = dataclasses.replace(BASE, model=dataclasses.replace(BASE.model, vocab_size=256))
 
 
@@ -47,12 +51,12 @@ EXPERT_FSDP = [("sp", "ep_a2a", 1), ("dp", "etp", 0), ("fsdp", "ep_ag", 1)]
 
 @pytest.mark.parametrize("attention,experts,zero", EXPERT_FSDP)
 def test_expert_fsdp_matches_single_device(attention, experts, zero):
-    config = _with(with_plan(attention, 2, 4, experts, zero=zero), expert_fsdp=True)
+    config = _with(with_plan(attention, 2, 4, experts, BASE, zero), expert_fsdp=True)
     _matches(planned(config), reference(BASE))
 
 
 def test_expert_fsdp_stores_a_data_share_and_gathers_it_per_layer_in_float32():
-    run = planned(_with(with_plan("sp", 2, 4, "ep_a2a"), expert_fsdp=True))
+    run = planned(_with(with_plan("sp", 2, 4, "ep_a2a", BASE), expert_fsdp=True))
     m, e = BASE.model, BASE.moe
     # 8 experts over 4 'expert' devices, each one's 16 columns over the 2 data groups
     layers = m.num_layers
@@ -128,7 +132,7 @@ def test_vocab_parallel_splits_table_and_head_and_never_makes_whole_vocab_logits
     ],
 )
 def test_settings_that_cannot_split_are_rejected_in_one_line(parallel, model, moe, setting):
-    base = with_plan("sp", 2, 4, "ep_a2a")
+    base = with_plan("sp", 2, 4, "ep_a2a", BASE)
     base = dataclasses.replace(
         base,
         model=dataclasses.replace(base.model, **model),
