@@ -209,7 +209,7 @@ class ParallelConfig:
     a2a_buffer_factor: float = 0.0
     intra: int = 1  # n: devices of one intra-node group (experts and sequence split here)
     data: int = 0  # data-parallel groups; 0 = all devices not used by intra
-    zero: int = 0  # ZeRO stage over the data axis: 0 (replicated) or 1 (optimizer state split)
+    zero: int = 0  # ZeRO: 0 replicated, 1 moments split over data, 2 distributed optimizer
     etp: int = 2  # experts=ep_etp: devices splitting each expert's width (intra / etp own experts)
     # Expert weights (and their gradients and moments) also split over 'data', gathered
     # per layer and reduce-scattered in the backward: ZeRO-3 / FSDP for the experts.

@@ -247,8 +247,10 @@ MEANINGS: dict[str, str] = {
     "parallel.intra": "n: devices of one intra-node group (experts and sequence split over it)",
     "parallel.data": "data-parallel groups; `0` uses every device not taken by `intra`",
     "parallel.zero": (
-        "ZeRO stage over the data axis: `0` optimizer state replicated, `1` optimizer moments "
-        "split over `data`"
+        "ZeRO stage: `0` optimizer state replicated, `1` optimizer moments split over `data`, "
+        "`2` the distributed optimizer: float32 master weights and moments split over every "
+        "device sharing them, the step's weights all-gathered in `model.dtype`, the gradients "
+        "reduce-scattered once per step"
     ),
     "parallel.expert_fsdp": (
         "expert weights (and their gradients and moments) also split over `data`, gathered in "

@@ -227,7 +227,7 @@ def validate_parallel(p: ParallelConfig) -> None:
         "valid: fp32 or bf16_a2a",
     )
     check(p.gpu.lower() in gpus, "parallel.gpu", p.gpu, f"valid: {gpus}")
-    check(p.zero in (0, 1), "parallel.zero", p.zero, "valid: 0 or 1 (fsdp covers weights)")
+    check(p.zero in (0, 1, 2), "parallel.zero", p.zero, "valid: 0, 1 or 2 (fsdp covers weights)")
     check(p.ag_threshold > 0, "parallel.ag_threshold", p.ag_threshold, "must be > 0")
     check(
         p.a2a_buffer_factor >= 0,

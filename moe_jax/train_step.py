@@ -137,9 +137,9 @@ def gradients(state: TrainState, graphdef, batch, config: Config):
         return accumulated(params, biases, graphdef, batch, config, loss_of(loss))
 
     metrics, grads = per_device_step.step_gradients(
-        layout, per_device, state.params, state.biases, batch, specs
+        layout, per_device, state.params, state.biases, batch, specs, config.model.dtype
     )
-    if layout.grad_exchange == "fp32":
+    if layout.grad_exchange == "fp32" or layout.zero == 2:  # placed as the masters
         return metrics, grads
     return metrics, grad_exchange.gather_sums(layout, grads, specs)
 
@@ -161,13 +161,15 @@ def accumulated(params, biases, graphdef, batch, config: Config, loss):
 
     def accumulate(grads, micro_batch):
         (_, metrics), more = grad_fn(params, biases, graphdef, micro_batch, config)
-        return jax.tree.map(jnp.add, grads, more), metrics
+        return jax.tree.map(lambda g, m: g + m.astype(g.dtype), grads, more), metrics
 
-    # Gradients start as zeros like the parameters: inside a shard_map they then vary
-    # over the same mesh axes as the gradients the scan adds to them. Metrics leave the
-    # scan stacked (the loss is traced once, with no shapes to know beforehand) and are
-    # summed in micro-batch order, as the carry would have summed them.
-    grads, stacked = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params), split)
+    # Gradients start as float32 zeros like the parameters (the distributed optimizer's
+    # compute weights may be bfloat16; the sums stay float32): inside a shard_map they
+    # then vary over the same mesh axes as the gradients the scan adds to them. Metrics
+    # leave the scan stacked (the loss is traced once, with no shapes to know
+    # beforehand) and are summed in micro-batch order, as the carry would have summed them.
+    zeros = jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32), params)
+    grads, stacked = jax.lax.scan(accumulate, zeros, split)
     metrics = jax.tree.map(lambda x: x[0], stacked)
     for m in range(1, micro):
         metrics = jax.tree.map(lambda total, x, m=m: total + x[m], metrics, stacked)

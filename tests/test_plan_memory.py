@@ -125,6 +125,8 @@ def _placed_bytes(config: Config) -> dict[str, int]:
         result[part] = next(iter(per_device.values()))
     grads = jax.device_put(state.params, mesh_lib.state_shardings(state.params, layout))
     result["grads"] = sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(grads))
+    if config.parallel.zero == 2:  # and the step's compute copy, placed as the gradients
+        result["params"] += result["grads"] * np.dtype(config.model.dtype).itemsize // 4
     return result
 
 
@@ -137,6 +139,12 @@ STATE_PLANS = [(a, e, 2, 4, 0) for a in ATTENTION for e in EXPERTS] + [
     ("sp", "ep_a2a", 2, 4, 1, True),  # parallel.expert_fsdp
     ("dp", "etp", 2, 4, 0, True),
     ("tp", "ep_ag", 2, 4, 1, False, True),  # parallel.vocab_parallel
+    # the distributed optimizer: masters and moments over every device sharing them
+    ("sp", "ep_a2a", 2, 4, 2),
+    ("tp", "etp", 2, 4, 2),
+    ("fsdp", "ep_etp", 2, 4, 2),
+    ("sp", "ep_a2a", 2, 4, 2, True),
+    ("tp", "ep_ag", 2, 4, 2, False, True),
 ]
 
 

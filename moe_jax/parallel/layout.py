@@ -116,6 +116,10 @@ class Layout:
     pipeline_run: Callable | None = None
     microbatches: int = 1
     repeats: int = 1
+    # parallel.zero: 2 is the distributed optimizer (`moe_jax.parallel.distributed_optimizer`):
+    # the step gathers its compute weights from sharded float32 masters and
+    # reduce-scatters the gradients back to them.
+    zero: int = 0
     # The blocks traced as per-device bodies inside the step's one shard_map over the
     # mesh (`moe_jax.parallel.per_device_step`, which sets it on the model it runs):
     # every array is then already one device's piece, so a block's own shard_map is a

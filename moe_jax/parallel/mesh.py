@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from moe_jax.config import Config
 from moe_jax.data.documents import masked as documents_masked
-from moe_jax.parallel import pipeline, registry
+from moe_jax.parallel import distributed_optimizer, pipeline, registry
 from moe_jax.parallel.layout import DATA, MESH_AXES, STAGE, Layout, axes_of
 
 
@@ -55,6 +55,7 @@ def make_layout(config: Config, mesh: Mesh) -> Layout:
         pipeline_run=pipeline.run if config.parallel.stages > 1 else None,
         microbatches=config.parallel.microbatches,
         repeats=config.parallel.repeats,
+        zero=config.parallel.zero,
         documents=documents_masked(config.data),
     )
 
@@ -78,11 +79,19 @@ def state_shardings(state, layout: Layout):
     return _shardings(state, layout, over_data=False)
 
 
+MASTERS = ("params", "opt_state")  # what the distributed optimizer splits
+
+
 def train_state_shardings(state, layout: Layout, zero: int):
-    """Shardings of a `TrainState`; with ZeRO stage 1 the optimizer's moments are also
-    split over the 'data' axis (each data group updates its slice, then the new
-    parameters are all-gathered)."""
+    """Shardings of a `TrainState`. ZeRO stage 1: the optimizer's moments also split over
+    the 'data' axis (each data group updates its slice, then the new parameters are
+    all-gathered). Stage 2, the distributed optimizer: the float32 master parameters and
+    their moments placed as their reduced gradients are, split over every device that
+    shares the parameter (`distributed_optimizer.master_spec`)."""
     shardings = _shardings(state, layout, over_data=False)
+    if zero == 2:  # the router biases stay as they are: the sign rule updates them whole
+        masters = {k: _shardings(getattr(state, k), layout, False, True) for k in MASTERS}
+        return dataclasses.replace(shardings, **masters)
     if zero:
         opt_state = _shardings(state.opt_state, layout, over_data=True)
         shardings = dataclasses.replace(shardings, opt_state=opt_state)
@@ -103,14 +112,17 @@ def placement(layout: Layout, names, shape: tuple[int, ...], data: int, over_dat
     return spec
 
 
-def _shardings(state, layout: Layout, over_data: bool):
+def _shardings(state, layout: Layout, over_data: bool, master: bool = False):
     data = layout.mesh.shape[DATA]
 
     def spec(leaf):
         if not isinstance(leaf, nnx.Variable):
             return NamedSharding(layout.mesh, P())
         names = leaf.get_metadata().get("out_sharding") or ()
-        axes = placement(layout, names, leaf.get_value().shape, data, over_data)
-        return leaf.replace(NamedSharding(layout.mesh, P(*axes)))
+        shape = leaf.get_value().shape
+        axes = P(*placement(layout, names, shape, data, over_data))
+        if master:
+            axes = distributed_optimizer.master_spec(layout.mesh.shape, axes, shape)
+        return leaf.replace(NamedSharding(layout.mesh, axes))
 
     return jax.tree.map(spec, state, is_leaf=lambda x: isinstance(x, nnx.Variable))

@@ -24,15 +24,15 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from moe_jax.kernels.varying import varying_axes
-from moe_jax.parallel import grad_exchange, pipeline
+from moe_jax.parallel import distributed_optimizer, grad_exchange, pipeline
 from moe_jax.parallel.grad_exchange import is_spec, summed_axes
 from moe_jax.parallel.layout import EVERY, Layout
 
 
 def runs_per_device(layout: Layout) -> bool:
-    """Whether a step of this layout runs here: for the bf16 gradient exchange, and for a
-    pipeline."""
-    return layout.grad_exchange == "bf16_a2a" or layout.pipelined
+    """Whether a step of this layout runs here: for the bf16 gradient exchange, the
+    distributed optimizer and a pipeline."""
+    return layout.grad_exchange == "bf16_a2a" or layout.zero == 2 or layout.pipelined
 
 
 def per_device_graph(graphdef, *states):
@@ -89,37 +89,47 @@ def step_loss(layout: Layout, loss_fn, params, biases, batch, specs):
     )(params, biases, batch)
 
 
-def step_gradients(layout: Layout, gradients, params, biases, batch, specs):
+def step_gradients(layout: Layout, gradients, params, biases, batch, specs, dtype=None):
     """`gradients(params, biases, batch, loss_of) -> (metrics, grads)` run per device in
     one shard_map over the mesh: `loss_of(loss_fn)` makes the mean over all devices of
     a loss computed on one device's tokens (`mean_over_devices`). Returns the metrics
     and the gradients summed over the devices that share their parameter: by
     `grad_exchange.exchange` under 'bf16_a2a', each placed by its `reduced_spec`; else
-    by a float32 all-reduce, each placed as its parameter."""
+    by a float32 all-reduce, each placed as its parameter. Under the distributed
+    optimizer (`layout.zero == 2`) `params` are the float32 masters, each gathered in
+    `dtype` for the step (`distributed_optimizer.compute_weights`), and every gradient
+    leaves as its master's float32 shard."""
     sizes = layout.mesh.shape
     shapes = jax.tree.map(lambda p: p.shape, params)
     batch, batch_spec, local = _step_batch(layout, batch)
     compressed = layout.grad_exchange == "bf16_a2a"
+    distributed = layout.zero == 2
 
     def reduce(spec, g, shape):
+        if distributed:
+            return distributed_optimizer.reduce_gradient(sizes, g, spec, shape, compressed)
         if compressed:
             return grad_exchange.exchange(sizes, g, spec, shape)
         return jax.lax.psum(g, summed_axes(spec)) if summed_axes(spec) else g
 
     def body(params, biases, batch):
-        def varying(spec, p):
-            axes = summed_axes(spec)
+        def varying(spec, p, shape):
+            if distributed:
+                p = distributed_optimizer.compute_weights(sizes, p, spec, shape, dtype)
+            axes = tuple(a for a in summed_axes(spec) if a not in varying_axes(p))
             return jax.lax.pcast(p, axes, to="varying") if axes else p
 
-        params = jax.tree.map(varying, specs, params, is_leaf=is_spec)
+        params = jax.tree.map(varying, specs, params, shapes, is_leaf=is_spec)
         metrics, grads = gradients(params, biases, local(batch), mean_over_devices)
         return metrics, jax.tree.map(reduce, specs, grads, shapes, is_leaf=is_spec)
 
     bias_specs = jax.tree.map(lambda _: P(), biases)
-    grad_specs = grad_exchange.reduced_specs(sizes, specs, shapes) if compressed else specs
+    reduced = grad_exchange.reduced_specs(sizes, specs, shapes)
+    param_specs = reduced if distributed else specs
+    grad_specs = reduced if compressed or distributed else specs
     return jax.shard_map(
         body,
         mesh=layout.mesh,
-        in_specs=(specs, bias_specs, jax.tree.map(lambda _: batch_spec, batch)),
+        in_specs=(param_specs, bias_specs, jax.tree.map(lambda _: batch_spec, batch)),
         out_specs=(P(), grad_specs),
     )(params, biases, batch)

@@ -12,8 +12,10 @@ from __future__ import annotations
 # the vocabulary-parallel loss's gathers and reductions. Other collectives serve
 # parameters.
 TOKEN_EXCHANGE, ROUTER_STATS, LOSS_EXCHANGE = "token_exchange", "router_stats", "loss_exchange"
-# `parallel.grad_exchange='bf16_a2a'`'s gradient all-to-alls (`moe_jax.parallel.grad_exchange`).
-GRAD_EXCHANGE = "grad_exchange"
+# `parallel.grad_exchange='bf16_a2a'`'s gradient all-to-alls (`moe_jax.parallel.grad_exchange`),
+# and the distributed optimizer's reduce-scatters and weight gathers
+# (`moe_jax.parallel.distributed_optimizer`).
+GRAD_EXCHANGE, WEIGHT_GATHER = "grad_exchange", "weight_gather"
 # The pipelined layer stack's tick loops, and its stage-to-stage sends
 # (`moe_jax.parallel.pipeline`).
 PIPELINE, STAGE_SEND = "pipeline", "stage_send"

@@ -425,7 +425,9 @@ def memory_per_device(config: Config, pp: int = 1, micro_batch: int | None = Non
     in_flight = micro_batches(config, micro_batch)
     stage = units(config) + mtp_units(config)
     state = state_bytes(config)
-    state["grads"] *= 2 if in_flight > 1 else 1  # the sum and one micro-batch's
+    if in_flight > 1:  # the sum and one micro-batch's (the compute copy's dtype under ZeRO-2)
+        each = DTYPE_BYTES[config.model.dtype] if config.parallel.zero == 2 else FP32
+        state["grads"] += state["grads"] * each // FP32
     kept, working = stage_activation_bytes(config, stage, True, micro_batch)
     working += mtp_table_gradient_bytes(config)
     return Memory(**state, activations=kept * min(1, in_flight) + working)

@@ -24,6 +24,9 @@ per micro-batch (the reductions sit inside the backward of each one):
   * tp kv weights kept whole (kv heads < n): an all-reduce over intra of the
     whole weight, and over 'data' of the one kv head a device uses (XLA moves that
     all-reduce before the scatter into the whole weight);
+  * ZeRO-2, the distributed optimizer: per step instead, the compute weights gathered
+    in the model's dtype and the gradients reduce-scattered once
+    (`distributed_optimizer_bytes`);
   * ZeRO-1: the moments split over 'data' leave the updated parameters to be
     all-gathered over 'data' once per step. (XLA today also shards the embedding
     table's gradient scatter when the table's moments are split, trading the
@@ -44,6 +47,7 @@ from jax.sharding import PartitionSpec as P
 from moe_jax.config import Config
 from moe_jax.parallel import grad_exchange, registry
 from moe_jax.parallel.layout import DATA, EXPERT, INTRA, TENSOR, axes_of
+from moe_jax.plan.comm_volume import DTYPE_BYTES
 from moe_jax.plan.state_arrays import StateArray, device_bytes, mesh_sizes, placement, state_arrays
 
 
@@ -183,6 +187,44 @@ def _zero_gather(config: Config, array: StateArray) -> float:
     return _gather(device_bytes(config, array), p.data)
 
 
+def distributed_optimizer_bytes(config: Config, array: StateArray) -> tuple[float, float]:
+    """(per micro-batch, per step) bytes one device sends for one parameter under the
+    distributed optimizer (`parallel.zero=2`, `moe_jax.parallel.distributed_optimizer`).
+
+    Per micro-batch, as under `bf16_a2a`: a weight split over 'data' (FSDP, expert FSDP)
+    is gathered in float32 per layer (again in the recompute) and its gradient
+    reduce-scattered (float32, or bf16 all-to-all shards). Per step, over the g devices
+    sharing the parameter: the compute copy all-gathered in `model.dtype`, and the
+    accumulated float32 gradient reduce-scattered to the masters (or, under `bf16_a2a`,
+    its bf16 all-to-all per level); a gradient no dimension lets g cut stays whole and
+    is all-reduced in float32."""
+    p, m = config.parallel, config.model
+    sizes = mesh_sizes(config)
+    size = device_bytes(config, array, master=False)
+    spec = P(*placement(config, array, master=False))
+    compressed = p.grad_exchange == "bf16_a2a"
+    per_micro_batch = 0.0
+    if DATA in {a for entry in spec for a in axes_of(entry)}:
+        gathers = 1 if m.remat == "none" else 2
+        whole = size * p.data
+        summed = whole / 2 if compressed else whole
+        per_micro_batch = gathers * _gather(whole, p.data) + _gather(summed, p.data)
+    stages = [math.prod(sizes[a] for a in stage) for stage in grad_exchange.summed_over(spec)]
+    group = math.prod(stages)
+    if group == 1:
+        return per_micro_batch, 0.0
+    if grad_exchange.cut_dimension(sizes, spec, array.shape) is None:
+        return per_micro_batch, _all_reduce(size, group)
+    gather = _gather(size * DTYPE_BYTES[m.dtype] / array.itemsize, group)
+    if not compressed:
+        return per_micro_batch, _gather(size, group) + gather
+    per_step, shard = 0.0, size / 2
+    for devices in stages:
+        per_step += _gather(shard, devices)
+        shard /= devices
+    return per_micro_batch, per_step + gather
+
+
 def _params(config: Config) -> list[StateArray]:
     if config.parallel.data < 1 or config.parallel.experts == "auto":
         raise ValueError("param_traffic needs a resolved plan (see moe_jax.plan.resolve)")
@@ -195,6 +237,10 @@ def gradient_bytes_per_step(config: Config) -> int:
     float32 reductions per micro-batch, or `parallel.grad_exchange='bf16_a2a'`'s
     exchange once per step (`bf16_a2a_bytes`)."""
     params = _params(config)
+    if config.parallel.zero == 2:
+        traffic = [distributed_optimizer_bytes(config, a) for a in params]
+        per_micro_batch, per_step = (sum(t[i] for t in traffic) for i in (0, 1))
+        return round(per_micro_batch * config.micro_batches + per_step)
     if config.parallel.stages > 1 and config.parallel.grad_exchange == "fp32":
         return round(sum(pipeline_sum_bytes(config, a) for a in params))
     if config.parallel.grad_exchange == "bf16_a2a":

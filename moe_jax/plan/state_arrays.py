@@ -16,9 +16,10 @@ import math
 import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from moe_jax.config import Config, ModelConfig, MoEConfig, TrainConfig
-from moe_jax.parallel import mesh, registry
+from moe_jax.parallel import distributed_optimizer, mesh, registry
 from moe_jax.parallel.layout import Layout, split_size
 from moe_jax.parallel.pipeline import PIPELINED
 from moe_jax.train_state import init_state
@@ -74,18 +75,27 @@ def state_arrays(config: Config) -> tuple[StateArray, ...]:
 mesh_sizes = registry.mesh_sizes
 
 
-def placement(config: Config, array: StateArray, shape: tuple[int, ...] | None = None) -> list:
+def placement(
+    config: Config, array: StateArray, shape: tuple[int, ...] | None = None, master: bool = True
+) -> list:
     """Mesh axes of each dimension, the rule of `mesh.train_state_shardings`: logical axes
     by the plan's rules; with ZeRO-1 a moment also goes over 'data' on its first
-    unsplit dimension divisible by the data size."""
+    unsplit dimension divisible by the data size; with the distributed optimizer
+    (ZeRO-2) a parameter and its moments are split further over every axis its gradient
+    is summed over (`distributed_optimizer.master_spec`), unless `master` is False:
+    the step's compute copy and its gradient, placed as the layout places the weight."""
     shape = array.shape if shape is None else shape
     layout = Layout(param_rules=registry.param_rules(config))
-    over_data = array.moment and bool(config.parallel.zero)
+    zero = config.parallel.zero
     names = array.names
     if config.parallel.stages > 1 and array.stack == "moe" and array.part != "biases":
         # the pipelined stack, split over stages (its [R, U / R] form holds as many bytes)
         names = (PIPELINED[1], *names[1:])
-    return mesh.placement(layout, names, shape, config.parallel.data, over_data)
+    spec = mesh.placement(layout, names, shape, config.parallel.data, array.moment and zero == 1)
+    if zero == 2 and master and (array.part == "params" or array.moment):
+        spec = distributed_optimizer.master_spec(mesh_sizes(config), P(*spec), shape)
+        spec = [*spec, *[None] * (len(shape) - len(spec))]
+    return spec
 
 
 def split_of(axes, sizes: dict[str, int]) -> int:
@@ -93,11 +103,11 @@ def split_of(axes, sizes: dict[str, int]) -> int:
     return split_size(axes, sizes)
 
 
-def device_bytes(config: Config, array: StateArray) -> int:
-    """Bytes of `array` on one device (the largest shard)."""
+def device_bytes(config: Config, array: StateArray, master: bool = True) -> int:
+    """Bytes of `array` on one device (the largest shard); `master`: as `placement`."""
     shape = array.shape
     sizes = mesh_sizes(config)
-    spec = placement(config, array, shape)
+    spec = placement(config, array, shape, master)
     return array.itemsize * math.prod(
         -(-dim // split_of(axes, sizes)) for dim, axes in zip(shape, spec, strict=True)
     )
@@ -152,13 +162,21 @@ def _block_params(flat: Config) -> dict[str, float]:
 
 def state_bytes(config: Config) -> dict[str, int]:
     """params / grads / optimizer bytes of one device's share of the train state (every
-    stage holds the same: a pipeline's stack is split over 'stage' by `placement`)."""
+    stage holds the same: a pipeline's stack is split over 'stage' by `placement`).
+    Under the distributed optimizer (ZeRO-2) params also count the step's compute copy
+    of every parameter in `model.dtype`, and the float32 gradients are the compute
+    copy's (whole as the layout places it, before the reduce-scatter)."""
+    distributed = config.parallel.zero == 2
+    compute = np.dtype(config.model.dtype).itemsize
     out = {"params": 0, "grads": 0, "optimizer": 0}
     for array in state_arrays(config):
         size = device_bytes(config, array)
         if array.part in ("params", "biases"):
             out["params"] += size
-            out["grads"] += size if array.part == "params" else 0
+            if array.part == "params":
+                whole = device_bytes(config, array, master=False) if distributed else size
+                out["grads"] += whole
+                out["params"] += whole * compute // array.itemsize if distributed else 0
         else:
             out["optimizer"] += size
     return out

@@ -78,7 +78,7 @@ def compile_step(
     mesh = mesh_lib.make_mesh(config)
     layout = mesh_lib.make_layout(config, mesh)
     graphdef, state = jax.eval_shape(lambda: init_state(config, layout))
-    state_sharding = mesh_lib.state_shardings(state, layout)
+    state_sharding = mesh_lib.train_state_shardings(state, layout, config.parallel.zero)
     sharding = mesh_lib.batch_sharding(layout)
     abstract = lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh)
     state = jax.tree.map(abstract, state, state_sharding)
