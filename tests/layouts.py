@@ -61,24 +61,20 @@ def on_ragged_dot(config: Config) -> Config:
     return dataclasses.replace(config, moe=dataclasses.replace(config.moe, impl="ragged_dot"))
 
 
-# BASE with multi-head latent attention (model.attention='mla'): a query latent, values
-# narrower than queries and keys (5 vs 6 + 4), every head its own key and value. Its
-# experts run ragged_dot (`on_ragged_dot`): attention is what its tests are about.
-MLA = on_ragged_dot(
-    dataclasses.replace(
-        BASE,
-        model=dataclasses.replace(
-            BASE.model,
-            attention="mla",
-            num_kv_heads=8,
-            q_lora_rank=12,
-            kv_lora_rank=10,
-            qk_nope_head_dim=6,
-            qk_rope_head_dim=4,
-            v_head_dim=5,
-        ),
-    )
+# Multi-head latent attention (model.attention='mla'): a query latent, values narrower
+# than queries and keys (5 vs 6 + 4), every head its own key and value.
+MLA_MODEL = dict(
+    attention="mla",
+    num_kv_heads=8,
+    q_lora_rank=12,
+    kv_lora_rank=10,
+    qk_nope_head_dim=6,
+    qk_rope_head_dim=4,
+    v_head_dim=5,
 )
+# BASE with MLA; its experts run ragged_dot (`on_ragged_dot`): attention is what its
+# tests are about.
+MLA = on_ragged_dot(dataclasses.replace(BASE, model=dataclasses.replace(BASE.model, **MLA_MODEL)))
 
 
 # Halves XLA:CPU compile time; these tests check numbers and collectives, not speed.

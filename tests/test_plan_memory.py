@@ -45,6 +45,7 @@ from moe_jax.tools import comm_report
 from moe_jax.train_state import init_state
 from moe_jax.train_step import loss_fn
 from tests.commands import subprocess_env
+from tests.layouts import MLA_MODEL
 
 FAST = {"xla_backend_optimization_level": 0}
 ATTENTION = ("dp", "fsdp", "tp", "sp")
@@ -150,15 +151,6 @@ STATE_PLANS = [(a, e, 2, 4, 0) for a in ATTENTION for e in EXPERTS] + [
 
 # STATE with multi-head latent attention (a query latent, values narrower than q/k) and
 # with one multi-token-prediction module (an MoE block, as the layer pattern says).
-MLA_MODEL = dict(
-    attention="mla",
-    num_kv_heads=8,
-    q_lora_rank=12,
-    kv_lora_rank=10,
-    qk_nope_head_dim=6,
-    qk_rope_head_dim=4,
-    v_head_dim=5,
-)
 STATE_MLA = dataclasses.replace(STATE, model=dataclasses.replace(STATE.model, **MLA_MODEL))
 STATE_MTP = dataclasses.replace(STATE, model=dataclasses.replace(STATE.model, mtp_depth=1))
 STATE_PLANS += [("tp", "ep_a2a", 2, 4, 1, False, False, STATE_MLA)]

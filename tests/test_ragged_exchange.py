@@ -249,6 +249,16 @@ def _block_outputs(layout, cfg: MoEConfig, params: MoEParams, x: jax.Array):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x)
 
 
+def _block_config(capacity_factor: float) -> MoEConfig:
+    return MoEConfig(
+        num_experts=8,
+        top_k=2,
+        expert_mlp_dim=16,
+        capacity_factor=capacity_factor,
+        impl=BASE.moe.impl,
+    )
+
+
 BLOCK_MESHES = MESHES if jax.device_count() >= 8 else [(1, jax.device_count())]
 BLOCK_CASES = {
     # name: (capacity_factor, bias on the first two experts: 100 sends every token there)
@@ -266,13 +276,7 @@ def test_matches_padded_exchange(exchange, case: str, data: int, intra: int):
     (every token to experts 0 and 1: their owners' receive buffers full) and capacity
     drops included."""
     capacity_factor, skew = BLOCK_CASES[case]
-    cfg = MoEConfig(
-        num_experts=8,
-        top_k=2,
-        expert_mlp_dim=16,
-        capacity_factor=capacity_factor,
-        impl=BASE.moe.impl,
-    )
+    cfg = _block_config(capacity_factor)
     params = _moe_params(cfg, 32, jnp.zeros(8).at[:2].set(skew))
     x = jax.random.normal(jax.random.key(4), (8, 16, 32))
     _, ragged = _layout(data, intra)
@@ -289,13 +293,7 @@ def test_fp8_matches_the_padded_fp8_exchange(exchange, case: str):
     FP8, and differ from the native exchange by E4M3's rounding (the backward is bf16's
     transpose: never FP8)."""
     capacity_factor, skew = BLOCK_CASES[case]
-    cfg = MoEConfig(
-        num_experts=8,
-        top_k=2,
-        expert_mlp_dim=16,
-        capacity_factor=capacity_factor,
-        impl=BASE.moe.impl,
-    )
+    cfg = _block_config(capacity_factor)
     params = _moe_params(cfg, 256, jnp.zeros(8).at[:2].set(skew))  # two 128-channel blocks
     x = jax.random.normal(jax.random.key(4), (8, 16, 256))
     data, intra = BLOCK_MESHES[-1]

@@ -135,26 +135,44 @@ def bf16_a2a_bytes(config: Config, array: StateArray) -> tuple[float, float]:
     per stage (the intra group on the whole, then 'data' on the 1/n shard), and the
     summed float32 shards gathered back for the update; a gradient no dimension lets the
     group cut is all-reduced in float32 instead."""
+    return _per_device_exchange(config, array, distributed=False)
+
+
+def _per_device_exchange(config: Config, array: StateArray, distributed: bool):
+    """(per micro-batch, per step) bytes of one parameter's exchange in the step run per
+    device: `bf16_a2a_bytes`, or `distributed_optimizer_bytes` with `distributed`."""
     p, m = config.parallel, config.model
+    compressed = p.grad_exchange == "bf16_a2a"
     sizes = mesh_sizes(config)
-    size = device_bytes(config, array)
-    spec = P(*placement(config, array))
+    size = device_bytes(config, array, master=False)
+    spec = P(*placement(config, array, master=False))
     per_micro_batch = 0.0
-    if DATA in _splits(config, array):
+    if DATA in {a for entry in spec for a in axes_of(entry)}:
         gathers = 1 if m.remat == "none" else 2
         whole = size * p.data
-        per_micro_batch = gathers * _gather(whole, p.data) + _gather(whole / 2, p.data)
+        summed = whole / 2 if compressed else whole
+        per_micro_batch = gathers * _gather(whole, p.data) + _gather(summed, p.data)
     stages = [math.prod(sizes[a] for a in stage) for stage in grad_exchange.summed_over(spec)]
     group = math.prod(stages)
     if group == 1:
         return per_micro_batch, 0.0
     if grad_exchange.cut_dimension(sizes, spec, array.shape) is None:
         return per_micro_batch, _all_reduce(size, group)
-    per_step, shard = 0.0, size / 2
+    summed = _bf16_levels(size, stages) if compressed else _gather(size, group)
+    # back to where the update reads them: the float32 sums gathered to the weights, or
+    # (distributed optimizer) the next step's weights gathered in the model's dtype
+    back = size * DTYPE_BYTES[m.dtype] / array.itemsize if distributed else size
+    return per_micro_batch, summed + _gather(back, group)
+
+
+def _bf16_levels(size: float, stages: list[int]) -> float:
+    """Bytes of `grad_exchange.exchange` on a float32 gradient of `size` bytes: a bf16
+    all-to-all per level (`stages`: its devices), each on the previous level's shard."""
+    sent, shard = 0.0, size / 2
     for devices in stages:
-        per_step += _gather(shard, devices)
+        sent += _gather(shard, devices)
         shard /= devices
-    return per_micro_batch, per_step + _gather(size, group)
+    return sent
 
 
 def pipeline_sum_bytes(config: Config, array: StateArray) -> float:
@@ -198,31 +216,7 @@ def distributed_optimizer_bytes(config: Config, array: StateArray) -> tuple[floa
     accumulated float32 gradient reduce-scattered to the masters (or, under `bf16_a2a`,
     its bf16 all-to-all per level); a gradient no dimension lets g cut stays whole and
     is all-reduced in float32."""
-    p, m = config.parallel, config.model
-    sizes = mesh_sizes(config)
-    size = device_bytes(config, array, master=False)
-    spec = P(*placement(config, array, master=False))
-    compressed = p.grad_exchange == "bf16_a2a"
-    per_micro_batch = 0.0
-    if DATA in {a for entry in spec for a in axes_of(entry)}:
-        gathers = 1 if m.remat == "none" else 2
-        whole = size * p.data
-        summed = whole / 2 if compressed else whole
-        per_micro_batch = gathers * _gather(whole, p.data) + _gather(summed, p.data)
-    stages = [math.prod(sizes[a] for a in stage) for stage in grad_exchange.summed_over(spec)]
-    group = math.prod(stages)
-    if group == 1:
-        return per_micro_batch, 0.0
-    if grad_exchange.cut_dimension(sizes, spec, array.shape) is None:
-        return per_micro_batch, _all_reduce(size, group)
-    gather = _gather(size * DTYPE_BYTES[m.dtype] / array.itemsize, group)
-    if not compressed:
-        return per_micro_batch, _gather(size, group) + gather
-    per_step, shard = 0.0, size / 2
-    for devices in stages:
-        per_step += _gather(shard, devices)
-        shard /= devices
-    return per_micro_batch, per_step + gather
+    return _per_device_exchange(config, array, distributed=True)
 
 
 def _params(config: Config) -> list[StateArray]:
