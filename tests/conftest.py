@@ -43,6 +43,7 @@ LONG_FILES = (
     "test_moe_block.py",
     "test_remat.py",
     "test_chaos.py",
+    "test_distributed_optimizer.py",
     "test_sharded_weights.py",
     "test_layout_coverage.py",
     "test_ragged_exchange.py",
