@@ -5,12 +5,14 @@ Why: Ctrl-C used to print a KeyboardInterrupt traceback and SIGTERM (a scheduler
 `timeout`) killed the process where it stood. Here both raise KeyboardInterrupt in
 the main thread, so every writer's cleanup (`except BaseException`, `finally`) runs
 before `interruptible` prints the line; one that arrives inside an import (the
-commands import jax late) is raised again once the import is done (SIGALRM).
+commands import jax late), a garbage-collector callback or a finalizer is raised again
+once that is done (SIGALRM).
 """
 
 from __future__ import annotations
 
 import functools
+import gc
 import signal
 import sys
 from collections.abc import Callable
@@ -20,25 +22,32 @@ EXIT_INTERRUPTED = 130
 _received: list[int] = []
 
 
-RETRY_S = 0.05  # how soon an interrupt that arrived inside an import is raised again
+RETRY_S = 0.05  # how soon an interrupt that arrived where it was deferred is raised again
 RESEND_S = 2.0  # how soon an interrupt that has not stopped the command is raised again
 
 
-def _importing(frame: Any) -> bool:
-    """Whether `frame` runs inside an import: an exception raised there can be turned
-    into another error (numpy's import raises ImportError) and printed with its trace."""
+def _deferred(frame: Any) -> bool:
+    """Whether `frame` runs where an exception would not stop the command cleanly: inside
+    an import (numpy's turns it into an ImportError, printed with its trace), or inside a
+    garbage-collector callback or a `__del__` (Python prints "Exception ignored in ..."
+    with a traceback and carries on; jax registers such a callback)."""
+    callbacks = {getattr(callback, "__code__", None) for callback in gc.callbacks}
     while frame is not None:
-        if frame.f_code.co_filename.startswith("<frozen importlib"):
+        code = frame.f_code
+        if code.co_filename.startswith("<frozen importlib") or code.co_name == "__del__":
+            return True
+        if code in callbacks:
             return True
         frame = frame.f_back
     return False
 
 
 def _raise(signum: int, frame: Any) -> None:
-    """SIGINT, SIGTERM and the retry's SIGALRM: KeyboardInterrupt, once out of imports."""
+    """SIGINT, SIGTERM and the retry's SIGALRM: KeyboardInterrupt, once out of imports,
+    garbage-collector callbacks and finalizers (`_deferred`)."""
     if signum != signal.SIGALRM:
         _received.append(signum)
-    if _importing(frame):
+    if _deferred(frame):
         signal.setitimer(signal.ITIMER_REAL, RETRY_S)
         return
     # Raised again later should a library swallow it (a worker pool's wait, say); the

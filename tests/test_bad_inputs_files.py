@@ -5,6 +5,7 @@ naming the flag or setting and the path, before anything is built or written."""
 
 from __future__ import annotations
 
+import gc
 import json
 import shutil
 import signal
@@ -319,3 +320,39 @@ def test_ctrl_c_during_sample_is_one_line(tmp_path: Path, bad_input_run: Path):
     assert err.strip().splitlines()[-1] == (
         "error: interrupted (SIGINT) during sampling; nothing was written"
     )
+
+
+def test_an_interrupt_inside_a_gc_callback_is_raised_again_after_it():
+    """The handler, called while a garbage-collector callback runs (jax registers one:
+    CI once caught Ctrl-C there, and Python printed "Exception ignored" with a traceback
+    before the resend stopped the command), raises nothing there and sets the retry."""
+    from moe_jax import signals
+
+    seen: list = []
+
+    def callback(phase: str, info: dict) -> None:
+        if phase != "start" or seen:
+            return
+        try:
+            signals._raise(signal.SIGINT, sys._getframe())  # the frame a signal finds
+        except KeyboardInterrupt:
+            seen.append("raised")
+            return
+        seen.append(signal.getitimer(signal.ITIMER_REAL)[0])
+
+    alarm = signal.signal(signal.SIGALRM, signal.SIG_IGN)  # the retry must not fire here
+    gc.callbacks.append(callback)
+    try:
+        gc.collect()
+    finally:
+        gc.callbacks.remove(callback)
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, alarm)
+        signals._received.clear()
+    assert seen and seen[0] != "raised" and 0 < seen[0] <= signals.RETRY_S
+    with pytest.raises(KeyboardInterrupt):  # outside such a callback it is raised at once
+        try:
+            signals._raise(signal.SIGINT, sys._getframe())
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signals._received.clear()
