@@ -81,10 +81,12 @@ def test_model_loss_and_gradients_equal_unchunked_and_no_full_logits():
 
 
 def test_chunked_loss_under_sequence_parallel_attention():
-    """sp splits the sequence over 4 devices; strided chunks keep every device's share."""
-    from tests.layouts import planned
+    """sp splits the sequence over 4 devices; strided chunks keep every device's share.
+    (Experts by ragged_dot, tests.layouts.on_ragged_dot: the loss is the subject, and the
+    unchunked program is test_grad_exchange's.)"""
+    from tests.layouts import on_ragged_dot, planned
 
-    config = with_plan("sp", 2, 4, "ep_a2a")
+    config = with_plan("sp", 2, 4, "ep_a2a", base=on_ragged_dot(BASE))
     plain, chunked = planned(config), planned(_with_chunks(config, 4))
     np.testing.assert_allclose(chunked.metrics["lm_loss"], plain.metrics["lm_loss"], rtol=1e-6)
     assert_trees_close(chunked.grads, plain.grads, rtol=1e-5)
