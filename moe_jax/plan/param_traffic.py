@@ -74,9 +74,9 @@ def _block(config: Config, array: StateArray) -> str:
     return "outer"
 
 
-def _splits(config: Config, array: StateArray) -> set[str]:
-    """Mesh axes the parameter is split over."""
-    return {a for entry in placement(config, array) for a in axes_of(entry)}
+def _splits(config: Config, array: StateArray, master: bool = True) -> set[str]:
+    """Mesh axes the parameter is split over (`master`: as `placement`)."""
+    return {a for entry in placement(config, array, master=master) for a in axes_of(entry)}
 
 
 def _by_gspmd(config: Config, block: str) -> bool:
@@ -147,7 +147,7 @@ def _per_device_exchange(config: Config, array: StateArray, distributed: bool):
     size = device_bytes(config, array, master=False)
     spec = P(*placement(config, array, master=False))
     per_micro_batch = 0.0
-    if DATA in {a for entry in spec for a in axes_of(entry)}:
+    if DATA in _splits(config, array, master=False):
         gathers = 1 if m.remat == "none" else 2
         whole = size * p.data
         summed = whole / 2 if compressed else whole
