@@ -21,7 +21,7 @@ from moe_jax.config import Config
 from moe_jax.model import mtp as mtp_lib
 from moe_jax.model.loss import loss_chunks, with_loss_weights
 from moe_jax.moe.balancing import update_biases
-from moe_jax.parallel import grad_exchange, per_device_step
+from moe_jax.parallel import distributed_optimizer, grad_exchange, per_device_step
 from moe_jax.parallel import mesh as mesh_lib
 from moe_jax.parallel.layout import Layout
 from moe_jax.train_state import TrainState, init_state
@@ -133,21 +133,39 @@ def gradients(state: TrainState, graphdef, batch, config: Config):
     loss = pipelined_loss(config) if layout.pipelined else loss_fn
     graphdef = per_device_step.per_device_graph(graphdef, state.params, state.biases)
 
-    def per_device(params, biases, batch, loss_of):
-        return accumulated(params, biases, graphdef, batch, config, loss_of(loss))
+    def per_device(params, biases, batch, loss_of, sync):
+        return accumulated(params, biases, graphdef, batch, config, loss_of(loss), sync)
 
+    # where the distributed optimizer may cut each master (else as the exchange cuts)
+    starts = distributed_optimizer.starts(state.params) if layout.zero == 2 else None
     metrics, grads = per_device_step.step_gradients(
-        layout, per_device, state.params, state.biases, batch, specs, config.model.dtype
+        layout,
+        per_device,
+        state.params,
+        state.biases,
+        batch,
+        specs,
+        config.model.dtype,
+        starts,
+        in_backward=config.train.grad_accum == 1,
     )
     if layout.grad_exchange == "fp32" or layout.zero == 2:  # placed as the masters
         return metrics, grads
     return metrics, grad_exchange.gather_sums(layout, grads, specs)
 
 
-def accumulated(params, biases, graphdef, batch, config: Config, loss):
-    """`loss`'s metrics and gradients, accumulated over `grad_accum` micro-batches."""
+def accumulated(params, biases, graphdef, batch, config: Config, loss, sync=None):
+    """`loss`'s metrics and gradients, accumulated over `grad_accum` micro-batches. With
+    `sync` (`per_device_step.BackwardSync`, one micro-batch) the loss is differentiated
+    by the master shards of the stacked weights, whose gradients its backward reduces
+    layer by layer."""
     grad_fn = jax.value_and_grad(loss, has_aux=True)
     micro = config.train.grad_accum
+    if sync is not None:
+        synced_loss = lambda variables, *args: loss(sync.params(variables, params), *args)
+        grad = jax.value_and_grad(synced_loss, has_aux=True)
+        (_, metrics), grads = grad(sync.variables(params), biases, graphdef, batch, config)
+        return metrics, grads
     if micro == 1:
         (_, metrics), grads = grad_fn(params, biases, graphdef, batch, config)
         return metrics, grads

@@ -1,8 +1,9 @@
 """The distributed optimizer (`parallel.zero=2`) on 8 forced CPU devices: the same step
 as ZeRO stage 0 (loss, every gradient, the parameters after three AdamW steps; also
 under a pipeline), each device holding 1/g of every float32 master and moment it shares
-with g devices and reduce-scattering its gradients; in a bfloat16 model the weights
-gathered in bf16 and the bytes of the acceptance; the trainer and its checkpoints."""
+with g devices and reduce-scattering its gradients, a stacked weight's inside the layer
+scan's backward beside GEMMs it can overlap; in a bfloat16 model the weights gathered in
+bf16 and the bytes of the acceptance; the trainer and its checkpoints."""
 
 from __future__ import annotations
 
@@ -75,6 +76,60 @@ def test_steps_equal_zero_stage_0(name: str, grad_accum: int):
     sums = [c for c in hlo_collectives.parse(got.hlo) if GRAD_EXCHANGE in c.op_name]
     assert "reduce-scatter" in {c.kind for c in sums}  # float32 sums to the masters
     assert {c.kind for c in sums} <= {"reduce-scatter", "all-reduce"}
+    looped, after = _sums_beside_the_backward(got.hlo)
+    if grad_accum == 1:  # the stacked weights' inside the layer scan's backward
+        assert looped >= 4 and after < looped, (looped, after)
+    else:  # all once, after the last micro-batch's backward
+        assert looped == 0 and after > 0, (looped, after)
+
+
+def _sums_beside_the_backward(hlo: str) -> tuple[int, int]:
+    """Def-use walk over the compiled program: (gradient sums inside a loop body, those
+    outside any). Every sum in a loop body (the layer scan's backward) has a GEMM of the
+    same body (a dot, or a fusion holding one) that neither feeds it nor waits for it:
+    the layer's backward it can overlap."""
+    program = hlo_collectives.instructions(hlo)
+    with_dot = {ins.computation for ins in program if ins.opcode == "dot"}
+    entry = {ins.computation for ins in program if ins.opcode == "parameter"} - {
+        name for ins in program for name in ins.called
+    }
+    bodies: dict[str, dict[str, hlo_collectives.Instruction]] = {}
+    for ins in program:
+        bodies.setdefault(ins.computation, {})[ins.name] = ins
+    looped = after = 0
+    for name, body in bodies.items():
+        users: dict[str, set[str]] = {}
+        for ins in body.values():
+            for operand in ins.operands:
+                users.setdefault(operand, set()).add(ins.name)
+        gemms = {
+            ins.name
+            for ins in body.values()
+            if ins.opcode == "dot" or (ins.opcode == "fusion" and ins.called & with_dot)
+        }
+        for ins in body.values():
+            kind = ins.opcode.removesuffix("-start")
+            if kind not in ("reduce-scatter", "all-reduce") or GRAD_EXCHANGE not in ins.op_name:
+                continue
+            if name in entry:
+                after += 1
+                continue
+            feeds = _reached(body, ins.name, lambda n, body=body: body[n].operands)
+            waits = _reached(body, ins.name, lambda n, users=users: users.get(n, ()))
+            assert gemms - feeds - waits, f"{ins.name}: every GEMM of its loop is tied to it"
+            looped += 1
+    return looped, after
+
+
+def _reached(body: dict, start: str, edges) -> set[str]:
+    """Instructions of `body` reached from `start` along `edges` (operands or users)."""
+    seen, todo = set(), list(edges(start))
+    while todo:
+        other = todo.pop()
+        if other in body and other not in seen:
+            seen.add(other)
+            todo.extend(edges(other))
+    return seen
 
 
 def _mixtral_tiny(**settings):

@@ -105,7 +105,9 @@ class Stack(nnx.Module):
 
         def run_group(params, rest, x, positions):
             def body(carry, unit_state):
-                return nnx.merge(graphdef, *unit_state)(carry, positions)
+                params, rest = unit_state
+                weights = self.layout.layer_weights(params)
+                return nnx.merge(graphdef, weights, rest)(carry, positions)
 
             return jax.lax.scan(remat.wrap(body, self.remat), x, (params, rest))
 

@@ -45,21 +45,23 @@ def summed_over(spec: P) -> tuple[tuple[str, ...], ...]:
     return tuple(level for level in (intra, outer) if level)
 
 
-def cut_dimension(sizes: Mapping[str, int], spec: P, shape: tuple[int, ...]) -> int | None:
-    """The first dimension whose per-device size the exchange group divides (shards are
-    cut there), or None. `sizes`: the mesh's axis sizes."""
+def cut_dimension(
+    sizes: Mapping[str, int], spec: P, shape: tuple[int, ...], start: int = 0
+) -> int | None:
+    """The first dimension from `start` on whose per-device size the exchange group
+    divides (shards are cut there), or None. `sizes`: the mesh's axis sizes."""
     group = math.prod(split_size(stage, sizes) for stage in summed_over(spec))
     for dim, (size, entry) in enumerate(zip(shape, (*spec, *[None] * len(shape)), strict=False)):
-        if (size // split_size(entry, sizes)) % group == 0:
+        if dim >= start and (size // split_size(entry, sizes)) % group == 0:
             return dim
     return None
 
 
-def reduced_spec(sizes: Mapping[str, int], spec: P, shape: tuple[int, ...]) -> P:
-    """Where a reduced gradient lives: its parameter's spec, with the cut dimension also
-    split over the summed axes (the intra group major, as exchanged)."""
+def reduced_spec(sizes: Mapping[str, int], spec: P, shape: tuple[int, ...], start: int = 0) -> P:
+    """Where a reduced gradient lives: its parameter's spec, with the cut dimension (from
+    `start` on) also split over the summed axes (the intra group major, as exchanged)."""
     stages = summed_over(spec)
-    dim = cut_dimension(sizes, spec, shape)
+    dim = cut_dimension(sizes, spec, shape, start)
     if not stages or dim is None:
         return spec
     full = [*spec, *[None] * (len(shape) - len(spec))]
@@ -67,10 +69,16 @@ def reduced_spec(sizes: Mapping[str, int], spec: P, shape: tuple[int, ...]) -> P
     return P(*full)
 
 
-def reduced_specs(sizes: Mapping[str, int], specs, shapes):
-    """`reduced_spec` of every parameter of a tree."""
-    place = lambda s, shape: reduced_spec(sizes, s, shape)
-    return jax.tree.map(place, specs, shapes, is_leaf=is_spec)
+def reduced_specs(sizes: Mapping[str, int], specs, shapes, starts=None):
+    """`reduced_spec` of every parameter of a tree (`starts`: a tree of each one's
+    `start`, default 0)."""
+    starts = jax.tree.map(lambda _: 0, shapes, is_leaf=_is_shape) if starts is None else starts
+    place = lambda s, shape, start: reduced_spec(sizes, s, shape, start)
+    return jax.tree.map(place, specs, shapes, starts, is_leaf=is_spec)
+
+
+def _is_shape(x) -> bool:
+    return isinstance(x, tuple) and all(isinstance(d, int) for d in x)
 
 
 def sum_shards(g: jax.Array, axes: tuple[str, ...], dim: int) -> jax.Array:
@@ -82,11 +90,13 @@ def sum_shards(g: jax.Array, axes: tuple[str, ...], dim: int) -> jax.Array:
     return received.astype(jnp.float32).sum(dim)
 
 
-def exchange(sizes: Mapping[str, int], g: jax.Array, spec: P, shape: tuple[int, ...]) -> jax.Array:
+def exchange(
+    sizes: Mapping[str, int], g: jax.Array, spec: P, shape: tuple[int, ...], start: int = 0
+) -> jax.Array:
     """A device's partial gradient -> its shard of the sum (`reduced_spec`). A gradient
     that no dimension lets the group cut evenly is summed in float32 instead."""
     stages = summed_over(spec)
-    dim = cut_dimension(sizes, spec, shape)
+    dim = cut_dimension(sizes, spec, shape, start)
     with jax.named_scope(GRAD_EXCHANGE):
         if dim is None:
             return jax.lax.psum(g, summed_axes(spec)) if stages else g

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from moe_jax.moe.dispatcher import TokenDispatcher
+from moe_jax.parallel import layer_sync
 from moe_jax.parallel.scopes import DOCUMENT_POSITIONS
 from moe_jax.parallel.spec import AttentionSpec, ExpertSpec, VocabSpec
 
@@ -145,6 +146,13 @@ class Layout:
         if not self.pipelined:
             return run_group(params, biases, x, positions)
         return self.pipeline_run(self, run_group, params, biases, x, positions)
+
+    @staticmethod
+    def layer_weights(params):
+        """One layer's slice of a stack's parameters (inside its scan) as the layer reads
+        them; where the step reduces gradients inside the backward, the weights whose
+        backward does so (`moe_jax.parallel.layer_sync`)."""
+        return layer_sync.layer_weights(params)
 
     def block_map(self, body, in_specs, out_specs):
         """`body` run per device by a shard_map over the mesh with these specs; inside the

@@ -122,7 +122,7 @@ def _shardings(state, layout: Layout, over_data: bool, master: bool = False):
         shape = leaf.get_value().shape
         axes = P(*placement(layout, names, shape, data, over_data))
         if master:
-            axes = distributed_optimizer.master_spec(layout.mesh.shape, axes, shape)
+            axes = distributed_optimizer.master_spec(layout.mesh.shape, axes, shape, names)
         return leaf.replace(NamedSharding(layout.mesh, axes))
 
     return jax.tree.map(spec, state, is_leaf=lambda x: isinstance(x, nnx.Variable))

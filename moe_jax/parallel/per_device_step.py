@@ -18,6 +18,7 @@ traced as per-device bodies (a block's own shard_map is a plain call of its body
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 
 import jax
 from flax import nnx
@@ -26,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 from moe_jax.kernels.varying import varying_axes
 from moe_jax.parallel import distributed_optimizer, grad_exchange, pipeline
 from moe_jax.parallel.grad_exchange import is_spec, summed_axes
+from moe_jax.parallel.layer_sync import Synced
 from moe_jax.parallel.layout import EVERY, Layout
 
 
@@ -89,42 +91,64 @@ def step_loss(layout: Layout, loss_fn, params, biases, batch, specs):
     )(params, biases, batch)
 
 
-def step_gradients(layout: Layout, gradients, params, biases, batch, specs, dtype=None):
-    """`gradients(params, biases, batch, loss_of) -> (metrics, grads)` run per device in
-    one shard_map over the mesh: `loss_of(loss_fn)` makes the mean over all devices of
-    a loss computed on one device's tokens (`mean_over_devices`). Returns the metrics
-    and the gradients summed over the devices that share their parameter: by
+def step_gradients(
+    layout: Layout,
+    gradients,
+    params,
+    biases,
+    batch,
+    specs,
+    dtype=None,
+    starts=None,
+    in_backward: bool = False,
+):
+    """`gradients(params, biases, batch, loss_of, sync) -> (metrics, grads)` run per
+    device in one shard_map over the mesh: `loss_of(loss_fn)` makes the mean over all
+    devices of a loss computed on one device's tokens (`mean_over_devices`). Returns the
+    metrics and the gradients summed over the devices that share their parameter: by
     `grad_exchange.exchange` under 'bf16_a2a', each placed by its `reduced_spec`; else
-    by a float32 all-reduce, each placed as its parameter. Under the distributed
-    optimizer (`layout.zero == 2`) `params` are the float32 masters, each gathered in
-    `dtype` for the step (`distributed_optimizer.compute_weights`), and every gradient
-    leaves as its master's float32 shard."""
+    by a float32 all-reduce, each placed as its parameter.
+
+    Under the distributed optimizer (`layout.zero == 2`) `params` are the float32
+    masters (`starts`: where each may be cut, `distributed_optimizer.starts`), each
+    gathered in `dtype` for the step (`distributed_optimizer.compute_weights`), and every
+    gradient leaves as its master's float32 shard. With `in_backward` (one micro-batch)
+    and without a pipeline `sync` is then a `BackwardSync`, with which `gradients`
+    reduces the stacked weights' gradients inside the backward
+    (`moe_jax.parallel.layer_sync`); else None, and all are reduced after it."""
     sizes = layout.mesh.shape
     shapes = jax.tree.map(lambda p: p.shape, params)
+    if starts is None:
+        starts = jax.tree.map(lambda _: 0, specs, is_leaf=is_spec)
     batch, batch_spec, local = _step_batch(layout, batch)
     compressed = layout.grad_exchange == "bf16_a2a"
     distributed = layout.zero == 2
+    in_backward = in_backward and distributed and not layout.pipelined
 
-    def reduce(spec, g, shape):
+    def reduce(spec, g, shape, start):
+        if in_backward and start:  # reduced in the backward (`BackwardSync`)
+            return g
         if distributed:
-            return distributed_optimizer.reduce_gradient(sizes, g, spec, shape, compressed)
+            return distributed_optimizer.reduce_gradient(sizes, g, spec, shape, compressed, start)
         if compressed:
             return grad_exchange.exchange(sizes, g, spec, shape)
         return jax.lax.psum(g, summed_axes(spec)) if summed_axes(spec) else g
 
     def body(params, biases, batch):
-        def varying(spec, p, shape):
+        def varying(spec, p, shape, start):
             if distributed:
-                p = distributed_optimizer.compute_weights(sizes, p, spec, shape, dtype)
+                p = distributed_optimizer.compute_weights(sizes, p, spec, shape, dtype, start)
             axes = tuple(a for a in summed_axes(spec) if a not in varying_axes(p))
             return jax.lax.pcast(p, axes, to="varying") if axes else p
 
-        params = jax.tree.map(varying, specs, params, shapes, is_leaf=is_spec)
-        metrics, grads = gradients(params, biases, local(batch), mean_over_devices)
-        return metrics, jax.tree.map(reduce, specs, grads, shapes, is_leaf=is_spec)
+        masters = params
+        params = jax.tree.map(varying, specs, params, shapes, starts, is_leaf=is_spec)
+        sync = BackwardSync(sizes, specs, starts, masters, compressed) if in_backward else None
+        metrics, grads = gradients(params, biases, local(batch), mean_over_devices, sync)
+        return metrics, jax.tree.map(reduce, specs, grads, shapes, starts, is_leaf=is_spec)
 
     bias_specs = jax.tree.map(lambda _: P(), biases)
-    reduced = grad_exchange.reduced_specs(sizes, specs, shapes)
+    reduced = grad_exchange.reduced_specs(sizes, specs, shapes, starts)
     param_specs = reduced if distributed else specs
     grad_specs = reduced if compressed or distributed else specs
     return jax.shard_map(
@@ -133,3 +157,40 @@ def step_gradients(layout: Layout, gradients, params, biases, batch, specs, dtyp
         in_specs=(param_specs, bias_specs, jax.tree.map(lambda _: batch_spec, batch)),
         out_specs=(P(), grad_specs),
     )(params, biases, batch)
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardSync:
+    """What the loss differentiates under the distributed optimizer when the backward
+    syncs: the master shard of each stacked weight (`start` 1), whose gradient its
+    layer's backward reduces (`layer_sync.Synced`), and the compute copy of every other."""
+
+    sizes: dict
+    specs: object  # each parameter's spec (as the layout places its compute copy)
+    starts: object  # `distributed_optimizer.starts`: 1 for a stacked weight
+    masters: object  # this device's float32 master shards
+    compressed: bool  # `grad_exchange='bf16_a2a'`
+
+    def variables(self, compute):
+        """The tree to differentiate, given the compute copies."""
+        pick = lambda spec, start, master, weight: master if start else weight
+        return jax.tree.map(pick, self.specs, self.starts, self.masters, compute, is_leaf=is_spec)
+
+    def params(self, variables, compute):
+        """The parameters the loss reads: each stacked weight a `Synced` of its master
+        (from `variables`) and compute copy."""
+
+        def param(spec, start, variable, weight):
+            if not start:
+                return variable
+            layer = P(*tuple(spec)[1:])
+            reduce = partial(
+                distributed_optimizer.reduce_gradient,
+                self.sizes,
+                spec=layer,
+                shape=weight.shape[1:],
+                compressed=self.compressed,
+            )
+            return Synced(variable, weight, reduce)
+
+        return jax.tree.map(param, self.specs, self.starts, variables, compute, is_leaf=is_spec)

@@ -28,12 +28,23 @@ class GradSync:
         last). "per_micro_batch" (what XLA compiles for the trainer): an all-reduce
         inside every micro-batch's backward, overlapping it the same way; with
         `parallel.grad_exchange='bf16_a2a'` only FSDP's gathers and their exchange stay
-        there, and the summed gradients' exchange runs once, after the backward, exposed."""
+        there, and the summed gradients' exchange runs once, after the backward, exposed;
+        under the distributed optimizer the stacked weights' sums run inside the last
+        micro-batch's backward (overlapping it) and the rest, with the weight gathers,
+        outside it."""
         from moe_jax.plan import param_traffic
 
         plan, p = self.plan, self.plan.parallel
         layers = max(stage_layers, 1)
         window = backward_s * (1 - 1 / layers)
+        if plan.grad_sync == "per_micro_batch" and self.sized.parallel.zero == 2:
+            link = self.data_link if p.data > 1 else self.intra
+            traffic = param_traffic.distributed_optimizer_traffic(self.sized)
+            every, last, after = (sent / p.stages / link.bandwidth for sent in traffic)
+            shown = lambda t: max(t - window, t / layers) if t else 0.0
+            exposed = shown(every) * (self.micro_batches - 1) + shown(every + last) + after
+            total = every * self.micro_batches + last + after
+            return exposed, total - exposed
         if plan.grad_sync == "per_micro_batch":
             link = self.data_link if p.data > 1 else self.intra
             sent = param_traffic.gradient_bytes_per_step(self.sized) / p.stages / self.micro_batches

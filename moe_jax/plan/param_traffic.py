@@ -25,8 +25,8 @@ per micro-batch (the reductions sit inside the backward of each one):
     whole weight, and over 'data' of the one kv head a device uses (XLA moves that
     all-reduce before the scatter into the whole weight);
   * ZeRO-2, the distributed optimizer: per step instead, the compute weights gathered
-    in the model's dtype and the gradients reduce-scattered once
-    (`distributed_optimizer_bytes`);
+    in the model's dtype and the gradients reduce-scattered once, the stacked weights'
+    inside the last backward (`distributed_optimizer_traffic`);
   * ZeRO-1: the moments split over 'data' leave the updated parameters to be
     all-gathered over 'data' once per step. (XLA today also shards the embedding
     table's gradient scatter when the table's moments are split, trading the
@@ -45,10 +45,18 @@ import math
 from jax.sharding import PartitionSpec as P
 
 from moe_jax.config import Config
-from moe_jax.parallel import grad_exchange, registry
+from moe_jax.parallel import distributed_optimizer, grad_exchange, registry
 from moe_jax.parallel.layout import DATA, EXPERT, INTRA, TENSOR, axes_of
 from moe_jax.plan.comm_volume import DTYPE_BYTES
-from moe_jax.plan.state_arrays import StateArray, device_bytes, mesh_sizes, placement, state_arrays
+from moe_jax.plan.state_arrays import (
+    StateArray,
+    device_bytes,
+    mesh_sizes,
+    names_of,
+    placement,
+    state_arrays,
+    synced_in_backward,
+)
 
 
 def _all_reduce(size: float, group: int) -> float:
@@ -135,17 +143,20 @@ def bf16_a2a_bytes(config: Config, array: StateArray) -> tuple[float, float]:
     per stage (the intra group on the whole, then 'data' on the 1/n shard), and the
     summed float32 shards gathered back for the update; a gradient no dimension lets the
     group cut is all-reduced in float32 instead."""
-    return _per_device_exchange(config, array, distributed=False)
+    per_micro_batch, summed, back = _per_device_exchange(config, array, distributed=False)
+    return per_micro_batch, summed + back
 
 
 def _per_device_exchange(config: Config, array: StateArray, distributed: bool):
-    """(per micro-batch, per step) bytes of one parameter's exchange in the step run per
-    device: `bf16_a2a_bytes`, or `distributed_optimizer_bytes` with `distributed`."""
+    """(per micro-batch, per step: the gradient's sum, the weights gathered back) bytes of
+    one parameter's exchange in the step run per device: `bf16_a2a_bytes`, or
+    `distributed_optimizer_traffic` with `distributed`."""
     p, m = config.parallel, config.model
     compressed = p.grad_exchange == "bf16_a2a"
     sizes = mesh_sizes(config)
     size = device_bytes(config, array, master=False)
     spec = P(*placement(config, array, master=False))
+    start = distributed_optimizer.start_of(names_of(config, array)) if distributed else 0
     per_micro_batch = 0.0
     if DATA in _splits(config, array, master=False):
         gathers = 1 if m.remat == "none" else 2
@@ -155,14 +166,14 @@ def _per_device_exchange(config: Config, array: StateArray, distributed: bool):
     stages = [math.prod(sizes[a] for a in stage) for stage in grad_exchange.summed_over(spec)]
     group = math.prod(stages)
     if group == 1:
-        return per_micro_batch, 0.0
-    if grad_exchange.cut_dimension(sizes, spec, array.shape) is None:
-        return per_micro_batch, _all_reduce(size, group)
+        return per_micro_batch, 0.0, 0.0
+    if grad_exchange.cut_dimension(sizes, spec, array.shape, start) is None:
+        return per_micro_batch, _all_reduce(size, group), 0.0
     summed = _bf16_levels(size, stages) if compressed else _gather(size, group)
     # back to where the update reads them: the float32 sums gathered to the weights, or
     # (distributed optimizer) the next step's weights gathered in the model's dtype
     back = size * DTYPE_BYTES[m.dtype] / array.itemsize if distributed else size
-    return per_micro_batch, summed + _gather(back, group)
+    return per_micro_batch, summed, _gather(back, group)
 
 
 def _bf16_levels(size: float, stages: list[int]) -> float:
@@ -205,18 +216,28 @@ def _zero_gather(config: Config, array: StateArray) -> float:
     return _gather(device_bytes(config, array), p.data)
 
 
-def distributed_optimizer_bytes(config: Config, array: StateArray) -> tuple[float, float]:
-    """(per micro-batch, per step) bytes one device sends for one parameter under the
-    distributed optimizer (`parallel.zero=2`, `moe_jax.parallel.distributed_optimizer`).
+def distributed_optimizer_traffic(config: Config) -> tuple[float, float, float]:
+    """(per micro-batch, in the last backward, after it) bytes one device sends under the
+    distributed optimizer (`parallel.zero=2`, `moe_jax.parallel.distributed_optimizer`),
+    over all parameters.
 
     Per micro-batch, as under `bf16_a2a`: a weight split over 'data' (FSDP, expert FSDP)
     is gathered in float32 per layer (again in the recompute) and its gradient
     reduce-scattered (float32, or bf16 all-to-all shards). Per step, over the g devices
-    sharing the parameter: the compute copy all-gathered in `model.dtype`, and the
-    accumulated float32 gradient reduce-scattered to the masters (or, under `bf16_a2a`,
-    its bf16 all-to-all per level); a gradient no dimension lets g cut stays whole and
-    is all-reduced in float32."""
-    return _per_device_exchange(config, array, distributed=True)
+    sharing a parameter: the accumulated float32 gradient reduce-scattered to the
+    masters (or, under `bf16_a2a`, its bf16 all-to-all per level), inside the last
+    micro-batch's backward for a stacked weight (`state_arrays.synced_in_backward`),
+    after it for the rest; and every compute copy all-gathered in `model.dtype` for the
+    next step. A gradient no dimension lets g cut stays whole and is all-reduced in
+    float32."""
+    out = [0.0, 0.0, 0.0]
+    for array in _params(config):
+        per_micro_batch, summed, back = _per_device_exchange(config, array, distributed=True)
+        inside = synced_in_backward(config, array)
+        out[0] += per_micro_batch
+        out[1] += summed if inside else 0.0
+        out[2] += back + (0.0 if inside else summed)
+    return out[0], out[1], out[2]
 
 
 def _params(config: Config) -> list[StateArray]:
@@ -232,9 +253,8 @@ def gradient_bytes_per_step(config: Config) -> int:
     exchange once per step (`bf16_a2a_bytes`)."""
     params = _params(config)
     if config.parallel.zero == 2:
-        traffic = [distributed_optimizer_bytes(config, a) for a in params]
-        per_micro_batch, per_step = (sum(t[i] for t in traffic) for i in (0, 1))
-        return round(per_micro_batch * config.micro_batches + per_step)
+        per_micro_batch, inside, after = distributed_optimizer_traffic(config)
+        return round(per_micro_batch * config.micro_batches + inside + after)
     if config.parallel.stages > 1 and config.parallel.grad_exchange == "fp32":
         return round(sum(pipeline_sum_bytes(config, a) for a in params))
     if config.parallel.grad_exchange == "bf16_a2a":

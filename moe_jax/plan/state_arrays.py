@@ -87,15 +87,30 @@ def placement(
     shape = array.shape if shape is None else shape
     layout = Layout(param_rules=registry.param_rules(config))
     zero = config.parallel.zero
-    names = array.names
-    if config.parallel.stages > 1 and array.stack == "moe" and array.part != "biases":
-        # the pipelined stack, split over stages (its [R, U / R] form holds as many bytes)
-        names = (PIPELINED[1], *names[1:])
+    names = names_of(config, array)
     spec = mesh.placement(layout, names, shape, config.parallel.data, array.moment and zero == 1)
     if zero == 2 and master and (array.part == "params" or array.moment):
-        spec = distributed_optimizer.master_spec(mesh_sizes(config), P(*spec), shape)
+        spec = distributed_optimizer.master_spec(mesh_sizes(config), P(*spec), shape, names)
         spec = [*spec, *[None] * (len(shape) - len(spec))]
     return spec
+
+
+def names_of(config: Config, array: StateArray) -> tuple[str | None, ...]:
+    """The logical axes `array` is placed by: a pipelined stack's renamed, as split over
+    stages (its [R, U / R] form holds as many bytes)."""
+    if config.parallel.stages > 1 and array.stack == "moe" and array.part != "biases":
+        return (PIPELINED[1], *array.names[1:])
+    return array.names
+
+
+def synced_in_backward(config: Config, array: StateArray) -> bool:
+    """Whether the step reduces this parameter's gradient inside the backward, layer by
+    layer (`moe_jax.parallel.layer_sync`): a stacked weight under the distributed
+    optimizer, without a pipeline or gradient accumulation."""
+    p = config.parallel
+    stacked = distributed_optimizer.start_of(names_of(config, array)) == 1
+    one = p.stages == 1 and config.train.grad_accum == 1
+    return p.zero == 2 and one and array.part == "params" and stacked
 
 
 def split_of(axes, sizes: dict[str, int]) -> int:
