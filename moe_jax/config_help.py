@@ -250,7 +250,8 @@ MEANINGS: dict[str, str] = {
         "ZeRO stage: `0` optimizer state replicated, `1` optimizer moments split over `data`, "
         "`2` the distributed optimizer: float32 master weights and moments split over every "
         "device sharing them, the step's weights all-gathered in `model.dtype`, the gradients "
-        "reduce-scattered once per step"
+        "reduce-scattered once per step (a stacked weight's inside the backward, layer by "
+        "layer, with one micro-batch and no pipeline)"
     ),
     "parallel.expert_fsdp": (
         "expert weights (and their gradients and moments) also split over `data`, gathered in "
