@@ -143,7 +143,8 @@ def step_gradients(
 
         masters = params
         params = jax.tree.map(varying, specs, params, shapes, starts, is_leaf=is_spec)
-        sync = BackwardSync(sizes, specs, starts, masters, compressed) if in_backward else None
+        sync = BackwardSync(sizes, specs, shapes, starts, masters, compressed)
+        sync = sync if in_backward else None
         metrics, grads = gradients(params, biases, local(batch), mean_over_devices, sync)
         return metrics, jax.tree.map(reduce, specs, grads, shapes, starts, is_leaf=is_spec)
 
@@ -167,6 +168,7 @@ class BackwardSync:
 
     sizes: dict
     specs: object  # each parameter's spec (as the layout places its compute copy)
+    shapes: object  # each parameter's global shape
     starts: object  # `distributed_optimizer.starts`: 1 for a stacked weight
     masters: object  # this device's float32 master shards
     compressed: bool  # `grad_exchange='bf16_a2a'`
@@ -180,17 +182,17 @@ class BackwardSync:
         """The parameters the loss reads: each stacked weight a `Synced` of its master
         (from `variables`) and compute copy."""
 
-        def param(spec, start, variable, weight):
+        def param(spec, shape, start, variable, weight):
             if not start:
                 return variable
-            layer = P(*tuple(spec)[1:])
-            reduce = partial(
+            reduce = partial(  # of one layer's slice
                 distributed_optimizer.reduce_gradient,
                 self.sizes,
-                spec=layer,
-                shape=weight.shape[1:],
+                spec=P(*tuple(spec)[1:]),
+                shape=shape[1:],
                 compressed=self.compressed,
             )
             return Synced(variable, weight, reduce)
 
-        return jax.tree.map(param, self.specs, self.starts, variables, compute, is_leaf=is_spec)
+        trees = self.specs, self.shapes, self.starts, variables, compute
+        return jax.tree.map(param, *trees, is_leaf=is_spec)
