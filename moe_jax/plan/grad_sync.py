@@ -29,9 +29,9 @@ class GradSync:
         inside every micro-batch's backward, overlapping it the same way; with
         `parallel.grad_exchange='bf16_a2a'` only FSDP's gathers and their exchange stay
         there, and the summed gradients' exchange runs once, after the backward, exposed;
-        under the distributed optimizer the stacked weights' sums run inside the last
-        micro-batch's backward (overlapping it) and the rest, with the weight gathers,
-        outside it."""
+        under the distributed optimizer, with one micro-batch and no pipeline, the
+        stacked weights' sums run inside the backward (overlapping it) and the rest, with
+        the weight gathers, after it (`param_traffic.distributed_optimizer_traffic`)."""
         from moe_jax.plan import param_traffic
 
         plan, p = self.plan, self.plan.parallel

@@ -26,7 +26,7 @@ per micro-batch (the reductions sit inside the backward of each one):
     all-reduce before the scatter into the whole weight);
   * ZeRO-2, the distributed optimizer: per step instead, the compute weights gathered
     in the model's dtype and the gradients reduce-scattered once, the stacked weights'
-    inside the last backward (`distributed_optimizer_traffic`);
+    inside the backward with one micro-batch (`distributed_optimizer_traffic`);
   * ZeRO-1: the moments split over 'data' leave the updated parameters to be
     all-gathered over 'data' once per step. (XLA today also shards the embedding
     table's gradient scatter when the table's moments are split, trading the
@@ -217,7 +217,7 @@ def _zero_gather(config: Config, array: StateArray) -> float:
 
 
 def distributed_optimizer_traffic(config: Config) -> tuple[float, float, float]:
-    """(per micro-batch, in the last backward, after it) bytes one device sends under the
+    """(per micro-batch, inside the backward, after it) bytes one device sends under the
     distributed optimizer (`parallel.zero=2`, `moe_jax.parallel.distributed_optimizer`),
     over all parameters.
 
@@ -225,11 +225,11 @@ def distributed_optimizer_traffic(config: Config) -> tuple[float, float, float]:
     is gathered in float32 per layer (again in the recompute) and its gradient
     reduce-scattered (float32, or bf16 all-to-all shards). Per step, over the g devices
     sharing a parameter: the accumulated float32 gradient reduce-scattered to the
-    masters (or, under `bf16_a2a`, its bf16 all-to-all per level), inside the last
-    micro-batch's backward for a stacked weight (`state_arrays.synced_in_backward`),
-    after it for the rest; and every compute copy all-gathered in `model.dtype` for the
-    next step. A gradient no dimension lets g cut stays whole and is all-reduced in
-    float32."""
+    masters (or, under `bf16_a2a`, its bf16 all-to-all per level): inside the backward
+    for a stacked weight where the step syncs there (`state_arrays.synced_in_backward`:
+    one micro-batch, no pipeline), after it for the rest; and every compute copy
+    all-gathered in `model.dtype` for the next step. A gradient no dimension lets g cut
+    stays whole and is all-reduced in float32."""
     out = [0.0, 0.0, 0.0]
     for array in _params(config):
         per_micro_batch, summed, back = _per_device_exchange(config, array, distributed=True)
