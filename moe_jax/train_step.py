@@ -147,7 +147,9 @@ def gradients(state: TrainState, graphdef, batch, config: Config):
         specs,
         config.model.dtype,
         starts,
-        in_backward=config.train.grad_accum == 1,
+        in_backward=distributed_optimizer.syncs_in_backward(
+            layout.zero, layout.stages, config.train.grad_accum
+        ),
     )
     if layout.grad_exchange == "fp32" or layout.zero == 2:  # placed as the masters
         return metrics, grads

@@ -51,6 +51,13 @@ def start_of(names) -> int:
     return 1 if tuple(names[:1]) == (LAYERS,) else 0
 
 
+def syncs_in_backward(zero: int, stages: int, grad_accum: int) -> bool:
+    """Whether the step reduces the stacked weights' gradients inside the backward
+    (`moe_jax.parallel.layer_sync`): under the distributed optimizer, with one
+    micro-batch and no pipeline. The trainer and the planner's models both ask here."""
+    return zero == 2 and stages == 1 and grad_accum == 1
+
+
 def starts(params):
     """`start_of` each parameter of an nnx state, read from its logical axes."""
     start = lambda v: v.replace(start_of(v.get_metadata().get("out_sharding") or ()))

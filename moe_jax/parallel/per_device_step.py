@@ -112,9 +112,9 @@ def step_gradients(
     Under the distributed optimizer (`layout.zero == 2`) `params` are the float32
     masters (`starts`: where each may be cut, `distributed_optimizer.starts`), each
     gathered in `dtype` for the step (`distributed_optimizer.compute_weights`), and every
-    gradient leaves as its master's float32 shard. With `in_backward` (one micro-batch)
-    and without a pipeline `sync` is then a `BackwardSync`, with which `gradients`
-    reduces the stacked weights' gradients inside the backward
+    gradient leaves as its master's float32 shard. With `in_backward`
+    (`distributed_optimizer.syncs_in_backward`) `sync` is then a `BackwardSync`, with
+    which `gradients` reduces the stacked weights' gradients inside the backward
     (`moe_jax.parallel.layer_sync`); else None, and all are reduced after it."""
     sizes = layout.mesh.shape
     shapes = jax.tree.map(lambda p: p.shape, params)
@@ -123,7 +123,6 @@ def step_gradients(
     batch, batch_spec, local = _step_batch(layout, batch)
     compressed = layout.grad_exchange == "bf16_a2a"
     distributed = layout.zero == 2
-    in_backward = in_backward and distributed and not layout.pipelined
 
     def reduce(spec, g, shape, start):
         if in_backward and start:  # reduced in the backward (`BackwardSync`)

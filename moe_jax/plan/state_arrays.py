@@ -108,9 +108,9 @@ def synced_in_backward(config: Config, array: StateArray) -> bool:
     layer (`moe_jax.parallel.layer_sync`): a stacked weight under the distributed
     optimizer, without a pipeline or gradient accumulation."""
     p = config.parallel
+    syncs = distributed_optimizer.syncs_in_backward(p.zero, p.stages, config.train.grad_accum)
     stacked = distributed_optimizer.start_of(names_of(config, array)) == 1
-    one = p.stages == 1 and config.train.grad_accum == 1
-    return p.zero == 2 and one and array.part == "params" and stacked
+    return syncs and array.part == "params" and stacked
 
 
 def split_of(axes, sizes: dict[str, int]) -> int:
