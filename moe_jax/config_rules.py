@@ -134,6 +134,19 @@ def check_meaningful(config: Config) -> None:
         "micro-batches of a pipeline (parallel.stages > 1); without one, "
         "train.grad_accum sets the micro-batches of a step",
     )
+    check(
+        p.stages > 1 or p.schedule == "gpipe" or p.layout == "auto",
+        "parallel.schedule",
+        p.schedule,
+        "schedules a pipeline (parallel.stages > 1): leave it 'gpipe' without one",
+    )
+    check(
+        p.schedule == "gpipe" or not config.model.mtp_depth,
+        "parallel.schedule",
+        p.schedule,
+        f"the 1F1B loop runs the main head only, not multi-token prediction "
+        f"(model.mtp_depth={config.model.mtp_depth}): use parallel.schedule=gpipe",
+    )
     e = config.moe
     check(
         not e.tile_size or e.impl in ("auto", "tiled"),
@@ -213,6 +226,8 @@ def validate_parallel(p: ParallelConfig) -> None:
     check(p.data >= 0, "parallel.data", p.data, "must be >= 0 (0 uses every device)")
     check(p.attention in attention, "parallel.attention", p.attention, f"valid: {attention}")
     check(p.experts in experts, "parallel.experts", p.experts, f"valid: {experts}")
+    schedules = names.PIPELINE_SCHEDULES
+    check(p.schedule in schedules, "parallel.schedule", p.schedule, f"valid: {schedules}")
     check(p.layout in ("manual", "auto"), "parallel.layout", p.layout, "valid: manual or auto")
     check(
         p.token_dtype in ("native", "fp8"),

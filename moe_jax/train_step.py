@@ -58,10 +58,14 @@ def loss_fn(params, biases, graphdef, batch, config: Config, mtp: bool = True):
     sequences (not one device's part)."""
     model = nnx.merge(graphdef, params, biases)
     chunks = loss_chunks(config, *batch["inputs"].shape)
-    mtp_load = None
+    mtp_load = objective = None
     batch = with_loss_weights(batch)  # under a document mask: only counted targets
     positions, weights = batch.get("positions"), batch.get("weights")
-    if mtp and config.model.mtp_depth:
+    if model.layout.loss_in_pipeline:  # 1F1B: the head and loss run inside the pipeline
+        objective, lm_loss, stats = model.pipelined_losses(
+            batch["inputs"], batch["targets"], chunks, positions, weights
+        )
+    elif mtp and config.model.mtp_depth:
         batch = mtp_lib.with_targets(batch, config.model.mtp_depth)
         lm_loss, mtp_loss, (stats, mtp_load) = mtp_lib.losses(model, batch, chunks)
     elif chunks == 1 and model.layout.chunk_loss is None:
@@ -95,6 +99,8 @@ def loss_fn(params, biases, graphdef, batch, config: Config, mtp: bool = True):
             + moe.z_loss_coef * metrics["z_loss"]
         )
     metrics["loss"] = loss
+    if objective is not None:  # the same value; the gradient comes by the objective
+        loss = objective + jax.lax.stop_gradient(loss - objective)
     return loss, metrics
 
 

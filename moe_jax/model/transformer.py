@@ -23,6 +23,7 @@ from moe_jax.model.mla import MLAttention
 from moe_jax.model.mtp import MTP
 from moe_jax.moe.block import MoE, MoEStats
 from moe_jax.parallel.layout import SINGLE_DEVICE, Layout
+from moe_jax.parallel.pipeline_1f1b import Parts
 
 
 class Block(nnx.Module):
@@ -100,7 +101,8 @@ class Stack(nnx.Module):
         self.layout = layout
         self.through_layout = through_layout
 
-    def __call__(self, x: jax.Array, positions: jax.Array):
+    def _split(self):
+        """(run_group(params, rest, x, positions) -> (y, stats), params, rest)."""
         graphdef, params, rest = nnx.split(self.units, nnx.Param, ...)
 
         def run_group(params, rest, x, positions):
@@ -111,9 +113,22 @@ class Stack(nnx.Module):
 
             return jax.lax.scan(remat.wrap(body, self.remat), x, (params, rest))
 
+        return run_group, params, rest
+
+    def __call__(self, x: jax.Array, positions: jax.Array):
+        run_group, params, rest = self._split()
         if self.through_layout:
             return self.layout.stack(run_group, params, rest, x, positions)
         return run_group(params, rest, x, positions)
+
+    def with_loss(self, x, positions, tail, tail_params, targets, weights, stats_loss):
+        """The stack followed by `tail` inside the layout's pipeline
+        (`Layout.stack_loss`): (objective, lm_loss, stats)."""
+        run_group, params, rest = self._split()
+        parts = Parts(run_group, tail, stats_loss)
+        return self.layout.stack_loss(
+            parts, params, rest, x, positions, tail_params, targets, weights
+        )
 
 
 class Transformer(nnx.Module):
@@ -123,6 +138,7 @@ class Transformer(nnx.Module):
         self, cfg: ModelConfig, moe: MoEConfig, *, rngs: nnx.Rngs, layout: Layout = SINGLE_DEVICE
     ):
         self.cfg = cfg
+        self.moe_cfg = moe
         self.embed = Embed(cfg.vocab_size, cfg.embed_dim, rngs=rngs, layout=layout)
         built = {
             name: Stack(
@@ -147,15 +163,19 @@ class Transformer(nnx.Module):
         """tokens [batch, seq] -> (the final-normed hidden states, stacked MoE stats);
         `positions` [batch, seq]: each token's in its document (a batch's 'positions'
         under a document mask), else 0, 1, 2, ..."""
-        dtype = jnp.dtype(self.cfg.dtype)
-        positions = self.layout.positions(tokens, positions)
-        x = self.embed(tokens, dtype)
+        x, positions = self._prefix(tokens, positions)
         stats = None
-        if self.dense is not None:
-            x, _ = self.dense(x, positions)
         if self.moe is not None:
             x, stats = self.moe(x, positions)
         return self.final_norm(x), stats
+
+    def _prefix(self, tokens: jax.Array, positions: jax.Array | None):
+        """(the embedded tokens through the dense prefix, the positions the blocks take)."""
+        positions = self.layout.positions(tokens, positions)
+        x = self.embed(tokens, jnp.dtype(self.cfg.dtype))
+        if self.dense is not None:
+            x, _ = self.dense(x, positions)
+        return x, positions
 
     def output_weights(self) -> jax.Array:
         """The output head [embed, vocab] in the compute dtype (the embedding when tied)."""
@@ -184,12 +204,51 @@ class Transformer(nnx.Module):
     ) -> jax.Array:
         """The output head's mean cross-entropy on hidden states `x` (final-normed), as
         `chunked_loss` computes it; per-token `weights` as `chunked_cross_entropy`'s."""
+        stored = self.embed.table[...] if self.head is None else self.head[...]
+        return self._head_loss(stored, x, targets, chunks, weights)
+
+    def _head_loss(self, stored, x, targets, chunks, weights):
+        """`head_loss` with the head as stored (`self.head`, or the tied table)."""
         split = self.layout.chunk_loss
+        head = stored.T if self.head is None else stored
         if split is None:
-            head = self.output_weights()
+            head = head.astype(jnp.dtype(self.cfg.dtype))
             return chunked_cross_entropy(x, head, targets, chunks, weights=weights)
-        head = self.embed.table[...].T if self.head is None else self.head[...]
         return chunked_cross_entropy(x, head, targets, chunks, split, weights)
+
+    def pipelined_losses(
+        self,
+        tokens: jax.Array,
+        targets: jax.Array,
+        chunks: int,
+        positions: jax.Array | None = None,
+        weights: jax.Array | None = None,
+    ) -> tuple[jax.Array, jax.Array, MoEStats]:
+        """(objective, lm_loss, stats) where the layout's pipeline runs the head and loss
+        inside it (`Layout.loss_in_pipeline`): `lm_loss` and `stats` as `chunked_loss`
+        returns them, for the metrics; the objective, whose mean over devices is the
+        loss with its MoE terms, for the gradient."""
+        x, positions = self._prefix(tokens, positions)
+        norm_graph, norm_state = nnx.split(self.final_norm)
+        stored = self.embed.table[...] if self.head is None else self.head[...]
+
+        def tail(tail_params, y, targets, weights):
+            norm_state, stored = tail_params
+            x = nnx.merge(norm_graph, norm_state)(y)
+            return self._head_loss(stored, x, targets, chunks, weights)
+
+        moe = self.moe_cfg
+
+        def stats_loss(stats: MoEStats) -> jax.Array:
+            return (
+                moe.aux_loss_coef * stats.aux_loss.sum()
+                + moe.seq_aux_loss_coef * stats.seq_aux_loss.sum()
+                + moe.z_loss_coef * stats.z_loss.sum()
+            )
+
+        return self.moe.with_loss(
+            x, positions, tail, (norm_state, stored), targets, weights, stats_loss
+        )
 
     def __call__(
         self, tokens: jax.Array, positions: jax.Array | None = None

@@ -115,6 +115,10 @@ class Layout:
     # A pipeline over the 'stage' axis (`moe_jax.parallel.pipeline.run`) with
     # parallel.microbatches and parallel.repeats; None: no pipeline.
     pipeline_run: Callable | None = None
+    # parallel.schedule='1f1b': the pipeline that also runs the head and the loss, with
+    # the backward interleaved (`moe_jax.parallel.pipeline_1f1b.run_loss`); None: the
+    # stack alone through `pipeline_run` (GPipe), the loss after it.
+    pipeline_loss: Callable | None = None
     microbatches: int = 1
     repeats: int = 1
     # parallel.zero: 2 is the distributed optimizer (`moe_jax.parallel.distributed_optimizer`):
@@ -146,6 +150,20 @@ class Layout:
         if not self.pipelined:
             return run_group(params, biases, x, positions)
         return self.pipeline_run(self, run_group, params, biases, x, positions)
+
+    @property
+    def loss_in_pipeline(self) -> bool:
+        """Whether the pipeline runs the head and the loss too (`stack_loss`)."""
+        return self.pipelined and self.pipeline_loss is not None
+
+    def stack_loss(self, parts, params, biases, x, positions, tail_params, targets, weights):
+        """(objective, lm_loss, stats): the pipelined stack as `stack` runs it, followed
+        per micro-batch by the tail, where `loss_in_pipeline` (`parts`: `moe_jax.
+        parallel.pipeline_1f1b.Parts`). The objective carries the gradient; its mean
+        over devices is the loss."""
+        return self.pipeline_loss(
+            self, parts, params, biases, x, positions, tail_params, targets, weights
+        )
 
     @staticmethod
     def layer_weights(params):

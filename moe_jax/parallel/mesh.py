@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from moe_jax.config import Config
 from moe_jax.data.documents import masked as documents_masked
-from moe_jax.parallel import distributed_optimizer, pipeline, registry
+from moe_jax.parallel import distributed_optimizer, pipeline, pipeline_1f1b, registry
 from moe_jax.parallel.layout import DATA, MESH_AXES, STAGE, Layout, axes_of
 
 
@@ -53,6 +53,7 @@ def make_layout(config: Config, mesh: Mesh) -> Layout:
         grad_exchange=config.parallel.grad_exchange,
         vocab_spec=registry.vocab_spec(config),
         pipeline_run=pipeline.run if config.parallel.stages > 1 else None,
+        pipeline_loss=pipeline_1f1b.run_loss if config.parallel.schedule == "1f1b" else None,
         microbatches=config.parallel.microbatches,
         repeats=config.parallel.repeats,
         zero=config.parallel.zero,

@@ -1,0 +1,194 @@
+"""The tick tables of the 1F1B pipeline schedule (`moe_jax.parallel.pipeline_1f1b`):
+which micro-batch each stage runs forward and backward at each tick, and where what it
+sends and receives is kept. Pure Python, computed once per plan; the planner reads the
+same tables for the bubble and the activations in flight.
+
+The stack is cut into V = R S virtual stages (group v = r S + s on stage s, as
+`moe_jax.parallel.pipeline` cuts it). Micro-batch i runs forward through v = 0 .. V - 1,
+its loss on the last, then backward through v = V - 1 .. 0. At each tick every stage
+runs at most one forward item (i, v) and at most one backward item, in lock step: what a
+stage sends at the end of tick t (activations to s + 1, input gradients to s - 1, both
+around the ring) is there at tick t + 1. The last virtual stage runs the forward, the
+loss and the backward of a micro-batch in the same tick.
+
+Forward items run in Megatron's interleaved order: micro-batches in groups of S, each
+group through every repeat before the next group starts ((i // S, r, i)); a backward
+item runs as soon as its output gradient is there. Every item a stage runs forward is
+then there when it is its turn, and every backward item one tick after its successor,
+so forward work fills M R + S - 1 ticks and backward work M R + S - 1 ticks, as GPipe's
+two loops do; but a stage holds an item's input only from its forward to its backward,
+about 2 R S ticks, so the items in flight are bounded by the stages and repeats, not by
+the micro-batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+
+NONE = -1  # a table entry with nothing to do (or nothing arriving)
+
+
+@dataclasses.dataclass(frozen=True)
+class Table:
+    """One schedule. Every array is [ticks, stages] of int32; NONE where idle.
+
+    forward: the micro-batch a stage runs forward; forward_repeat its repeat;
+    forward_slot: where its input is kept (NONE: the micro-batch's embedded input, for
+    v = 0); loss: 1 where the forward is the last virtual stage's, whose loss gradient
+    is kept in loss_slot (its backward may run in the same tick). backward,
+    backward_repeat, backward_slot alike, and gradient_slot: where its output gradient
+    is kept. arrive_slot / gradient_arrive_slot: where the
+    activation / input gradient received at the tick's start is kept (NONE: discard).
+    `slots` / `gradient_slots`: the buffers' sizes, the items in flight."""
+
+    stages: int
+    microbatches: int
+    repeats: int
+    forward: np.ndarray
+    forward_repeat: np.ndarray
+    forward_slot: np.ndarray
+    loss: np.ndarray
+    loss_slot: np.ndarray
+    backward: np.ndarray
+    backward_repeat: np.ndarray
+    backward_slot: np.ndarray
+    gradient_slot: np.ndarray
+    arrive_slot: np.ndarray
+    gradient_arrive_slot: np.ndarray
+    slots: int
+    gradient_slots: int
+
+    @property
+    def ticks(self) -> int:
+        return self.forward.shape[0]
+
+    def forward_ticks(self) -> int:
+        """Ticks in which some stage runs forward work (each costs one forward)."""
+        return int((self.forward != NONE).any(1).sum())
+
+    def backward_ticks(self) -> int:
+        """Ticks in which some stage runs backward work (each costs one backward)."""
+        return int((self.backward != NONE).any(1).sum())
+
+
+class _Slots:
+    """Buffer slots handed out on arrival and freed after the tick of their use."""
+
+    def __init__(self):
+        self.free: list[int] = []
+        self.used = 0
+        self.release: list[int] = []
+
+    def take(self) -> int:
+        if self.free:
+            return self.free.pop(0)
+        self.used += 1
+        return self.used - 1
+
+    def end_tick(self) -> None:
+        self.free = sorted(self.free + self.release)
+        self.release = []
+
+
+@functools.cache
+def one_f_one_b(stages: int, microbatches: int, repeats: int = 1) -> Table:
+    """The 1F1B table for S stages, M micro-batches (a multiple of S) and R repeats."""
+    sim = _Simulation(stages, microbatches, repeats)
+    while len(sim.b_done) < microbatches * repeats * stages:
+        sim.tick()
+        if len(sim.rows) > 4 * (microbatches * repeats + stages * repeats + stages):
+            raise RuntimeError("1F1B table did not converge")  # a bug, not an input
+    arrays = {n: np.array([row[n] for row in sim.rows], dtype=np.int32) for n in ROWS}
+    return Table(
+        stages, microbatches, repeats, **arrays,
+        slots=max(1, max(p.used for p in sim.inputs)),
+        gradient_slots=max(1, max(p.used for p in sim.grads)),
+    )  # fmt: skip
+
+
+# The table's arrays, each [ticks, stages].
+ROWS = (
+    "forward", "forward_repeat", "forward_slot", "loss", "loss_slot",
+    "backward", "backward_repeat", "backward_slot", "gradient_slot",
+    "arrive_slot", "gradient_arrive_slot",
+)  # fmt: skip
+
+
+class _Simulation:
+    """Runs the schedule tick by tick, recording each tick's row of the table."""
+
+    def __init__(self, stages: int, microbatches: int, repeats: int):
+        s_ = self.stages = stages
+        self.last = repeats * stages - 1  # the last virtual stage
+        items = [(i, v) for i in range(microbatches) for v in range(repeats * s_)]
+        order = sorted(items, key=lambda item: (item[0] // s_, item[1] // s_, item[0]))
+        self.todo = [[item for item in order if item[1] % s_ == s] for s in range(s_)]
+        self.f_done: dict[tuple[int, int], int] = {}
+        self.b_done: dict[tuple[int, int], int] = {}
+        self.sent: list[tuple[int, int]] = []  # forward items finished last tick
+        self.sent_back: list[tuple[int, int]] = []  # backward items finished last tick
+        self.where: dict[tuple[int, int], int] = {}  # (i, v) -> its input's slot
+        self.grad_where: dict[tuple[int, int], int] = {}  # (i, v) -> its gradient's slot
+        self.inputs = [_Slots() for _ in range(s_)]
+        self.grads = [_Slots() for _ in range(s_)]
+        self.rows: list[dict[str, list[int]]] = []
+
+    def tick(self) -> None:
+        s_ = self.stages
+        row = {name: [NONE] * s_ for name in ROWS}
+        for i, v in self.sent:  # activations from stage s - 1
+            if v < self.last:
+                s = (v + 1) % s_
+                self.where[(i, v + 1)] = row["arrive_slot"][s] = self.inputs[s].take()
+        for i, v in self.sent_back:  # input gradients from stage s + 1
+            if v > 0:
+                s = (v - 1) % s_
+                self.grad_where[(i, v - 1)] = row["gradient_arrive_slot"][s] = self.grads[s].take()
+        self.sent, self.sent_back = [], []
+        for s in range(s_):
+            self._forward(s, row)
+            self._backward(s, row)
+        for pool in self.inputs + self.grads:
+            pool.end_tick()
+        self.rows.append(row)
+
+    def _forward(self, s: int, row) -> None:
+        """The stage's next forward item in its order, if its input is there."""
+        if not self.todo[s]:
+            return
+        i, v = self.todo[s][0]
+        if v != 0 and (i, v) not in self.where:
+            return
+        self.todo[s].pop(0)
+        self.f_done[(i, v)] = len(self.rows)
+        self.sent.append((i, v))
+        row["forward"][s], row["forward_repeat"][s] = i, v // self.stages
+        row["forward_slot"][s] = self.where.get((i, v), NONE)
+        if v == self.last:  # the loss's gradient, for the backward in this tick
+            row["loss"][s] = 1
+            self.grad_where[(i, v)] = row["loss_slot"][s] = self.grads[s].take()
+
+    def _backward(self, s: int, row) -> None:
+        """The ready backward item of the earliest group, latest repeat, first micro-batch."""
+        s_ = self.stages
+        ready = [item for item in self.grad_where if item[1] % s_ == s and item not in self.b_done]
+        if not ready:
+            return
+        i, v = min(ready, key=lambda item: (item[0] // s_, -(item[1] // s_), item[0]))
+        self.b_done[(i, v)] = len(self.rows)
+        self.sent_back.append((i, v))
+        row["backward"][s], row["backward_repeat"][s] = i, v // s_
+        row["backward_slot"][s] = self.where.get((i, v), NONE)
+        row["gradient_slot"][s] = self.grad_where[(i, v)]
+        if (i, v) in self.where:
+            self.inputs[s].release.append(self.where[(i, v)])
+        self.grads[s].release.append(self.grad_where[(i, v)])
+
+
+def in_flight(table: Table) -> int:
+    """The most stage inputs one stage keeps at once (its buffer's slots), a
+    micro-batch's stream each; stage 0 also keeps the M embedded inputs."""
+    return table.slots

@@ -1,0 +1,139 @@
+"""The 1F1B pipeline schedule (`parallel.schedule=1f1b`, `moe_jax.parallel.pipeline_1f1b`):
+its tables checked item by item against the schedule's rules, the step against a
+single-device run over the same micro-batches (`train.grad_accum=M`), its one tick loop
+read from the compiled program, and poisoned buffers. Memory: `tests/test_pipeline_state.py`;
+the trainer end to end: `tests/test_pipeline_training.py`."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from functools import partial
+
+import jax
+import numpy as np
+import pytest
+
+from moe_jax.parallel import mesh as mesh_lib
+from moe_jax.parallel import pipeline, pipeline_1f1b
+from moe_jax.parallel.pipeline_schedule import NONE, one_f_one_b
+from moe_jax.plan.resolve import check_plan
+from tests import pipelined as piped
+from tests.layouts import on_ragged_dot, planned, reference, run_under
+from tests.pipelined import MODEL, pipeline_trip_counts
+from tests.test_pipeline import _assert_equal_one_device
+
+# --- the tables ---------------------------------------------------------------------
+
+
+def _items(table, kind: str) -> dict[tuple[int, int], tuple[int, int]]:
+    """(micro-batch, virtual stage) -> (tick, stage) of every forward or backward item."""
+    done = {}
+    s_ = table.stages
+    for t in range(table.ticks):
+        for s in range(s_):
+            i = getattr(table, kind)[t, s]
+            if i != NONE:
+                v = getattr(table, f"{kind}_repeat")[t, s] * s_ + s
+                assert (i, v) not in done, (kind, i, v)
+                done[(i, v)] = (t, s)
+    return done
+
+
+@pytest.mark.parametrize(
+    "stages,micro,repeats", [(2, 4, 1), (2, 4, 2), (4, 8, 1), (4, 8, 2), (4, 16, 2), (15, 30, 4)]
+)
+def test_table_runs_each_item_once_after_what_it_needs(stages, micro, repeats):
+    table = one_f_one_b(stages, micro, repeats)
+    last = stages * repeats - 1
+    forward, backward = _items(table, "forward"), _items(table, "backward")
+    every = {(i, v) for i in range(micro) for v in range(last + 1)}
+    assert set(forward) == set(backward) == every
+    for (i, v), (t, s) in forward.items():
+        assert s == v % stages
+        if v > 0:  # its input was sent by the previous virtual stage's forward, ticks ago
+            assert forward[(i, v - 1)][0] < t
+        assert (table.loss[t, s] == 1) == (v == last)
+    for (i, v), (t, _) in backward.items():
+        if v == last:  # the loss's gradient: this tick's forward or an earlier one
+            assert forward[(i, v)][0] <= t
+        else:
+            assert backward[(i, v + 1)][0] < t
+    # forward work in M R + S - 1 ticks and backward work in as many: GPipe's bubble
+    assert table.forward_ticks() == table.backward_ticks() == micro * repeats + stages - 1
+
+
+def test_inputs_in_flight_are_bounded_by_stages_and_repeats_not_micro_batches():
+    for stages, repeats in ((2, 1), (4, 1), (4, 2), (15, 4)):
+        slots = {
+            one_f_one_b(stages, m, repeats).slots for m in (2 * stages, 4 * stages, 8 * stages)
+        }
+        assert len(slots) == 1, slots  # the same for every M from 2 S on
+        assert slots.pop() <= 2 * stages * repeats
+        assert one_f_one_b(stages, 8 * stages, repeats).gradient_slots <= 2
+
+
+# --- the step -----------------------------------------------------------------------
+
+
+def _one_f_one_b(config):
+    return dataclasses.replace(
+        config, parallel=dataclasses.replace(config.parallel, schedule="1f1b")
+    )
+
+
+# (stages, data, intra, repeats, micro-batches, attention, experts): (S, M, R) =
+# (2, 4, 1) in both layouts, (2, 4, 2), (4, 8, 1) and (4, 8, 2) (eight MoE layers)
+CASES = [
+    (2, 1, 4, 1, 4, "sp", "ep_a2a"),
+    (2, 2, 2, 1, 4, "tp", "etp"),
+    (2, 1, 4, 2, 4, "sp", "ep_a2a"),
+    (4, 2, 1, 1, 8, "tp", "etp"),
+    (4, 2, 1, 2, 8, "sp", "ep_a2a"),
+]
+EIGHT_MOE = dataclasses.replace(MODEL.model, num_layers=9)
+
+
+def _configs(case):
+    s, d, n, r, m, attention, experts = case
+    run = on_ragged_dot(piped.pipelined(s, d, n, m, r, attention, experts))
+    ref = on_ragged_dot(piped.one_device(m))
+    if s * r > 4:
+        run = dataclasses.replace(run, model=EIGHT_MOE)
+        ref = dataclasses.replace(ref, model=EIGHT_MOE)
+    return _one_f_one_b(run), ref
+
+
+def _label(case) -> str:
+    s, d, n, r, m, attention, experts = case
+    return f"S{s}xD{d}xN{n},M{m},R{r},{attention}+{experts}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=_label)
+def test_loss_gradients_and_three_steps_equal_one_device(case):
+    config, ref = _configs(case)
+    run = planned(config)
+    _assert_equal_one_device(run, reference(ref))
+    # one tick loop as long as the table (the backward runs inside it), not GPipe's two
+    s, m, r = config.parallel.stages, config.parallel.microbatches, config.parallel.repeats
+    trips = pipeline_trip_counts(run.hlo)
+    assert trips.count(one_f_one_b(s, m, r).ticks) == 1, trips
+    assert m * r + s - 1 not in trips, trips
+
+
+def test_poisoned_buffers_change_nothing():
+    """Every buffer filled with NaN before anything is written into it: what an idle
+    part of a tick would compute on if it read them (against the clean run)."""
+    config, _ = _configs(CASES[2])
+    config = check_plan(config, jax.device_count())
+    layout = mesh_lib.make_layout(config, mesh_lib.make_mesh(config))
+    assert layout.pipeline_loss is pipeline_1f1b.run_loss  # whose bubble is 0.0
+    poisoned = partial(pipeline_1f1b.run_loss, bubble=math.nan)
+    got = run_under(config, dataclasses.replace(layout, pipeline_loss=poisoned))
+    want = planned(config)
+    for leaf in jax.tree.leaves((got.metrics, got.grads)):
+        assert np.isfinite(np.asarray(leaf)).all()
+    np.testing.assert_allclose(got.metrics["loss"], want.metrics["loss"], rtol=1e-6)
+    canonical = lambda run: pipeline.canonical(run.grads)
+    for a, b in zip(jax.tree.leaves(canonical(got)), jax.tree.leaves(canonical(want)), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9)
