@@ -243,6 +243,12 @@ MEANINGS: dict[str, str] = {
         "R: circular pipeline: each stage holds R non-adjacent groups of layers (group r S + s "
         "on stage s); S x R must divide the MoE layers"
     ),
+    "parallel.schedule": (
+        "`gpipe`: every forward tick, then every backward tick (inputs held: M R + S - 1); "
+        "`1f1b`: each micro-batch's backward as soon as its loss is known, in one tick loop, "
+        "the head and loss on the last stage (the same bubble; inputs held bounded by S R, "
+        "not M); `gpipe` without a pipeline"
+    ),
     "parallel.ag_threshold": "`auto` picks `ep_ag` when `moe.top_k / parallel.intra` exceeds this",
     "parallel.intra": "n: devices of one intra-node group (experts and sequence split over it)",
     "parallel.data": "data-parallel groups; `0` uses every device not taken by `intra`",

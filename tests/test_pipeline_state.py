@@ -144,42 +144,54 @@ def test_megascale_352b_pipeline_compiles():
     print(f"352B pipeline per device: compiled {held / 1e6:.0f} MB, model {predicted / 1e6:.0f} MB")
 
 
-def test_temporaries_grow_with_micro_batches_as_the_memory_model_says():
-    """GPipe keeps every tick's input and stage 0's buffer: per micro-batch of M,
-    (R + 1) a more per device (a: one micro-batch's stream on one device). XLA's
-    temporaries of the compiled step, at M = S, 2 S and 4 S with micro-batches of the
-    same size, grow as `memory.pipeline_activation_bytes` says within 15%. (No dense
-    prefix here: its backward's working set on XLA:CPU's blockwise attention is not the
-    pipeline's.)"""
+def _temporaries_and_model(micro: int, repeats: int, schedule: str = "gpipe") -> tuple[int, int]:
+    """XLA's temporaries of the compiled step (S = 2, n = 4, one sequence of 512 tokens
+    per micro-batch, no dense prefix: its backward's working set on XLA:CPU's blockwise
+    attention is not the pipeline's) and the memory model's activations."""
     from moe_jax.plan import memory
     from moe_jax.train_step import RATE, train_step
 
-    def temp_and_model(micro: int, repeats: int) -> tuple[int, int]:
-        config = pipelined(2, 1, 4, micro, repeats)
-        model = dataclasses.replace(config.model, num_layers=4, first_k_dense=0, remat="full")
-        train = dataclasses.replace(config.train, batch_size=micro, seq_len=512, loss_chunks=8)
-        config = check_plan(dataclasses.replace(config, model=model, train=train), 8)
-        config, layout, abstract, shardings = placed(config)
-        graphdef, _ = abstract_state(config, layout)
-        tokens = jax.ShapeDtypeStruct(
-            (micro, 512), jnp.int32, sharding=mesh_lib.batch_sharding(layout)
-        )
-        step = jax.jit(
-            partial(train_step, graphdef, config),
-            out_shardings=(shardings, None),
-            donate_argnums=0,
-        )
-        batch = {"inputs": tokens, "targets": tokens}
-        # Only the memory is read: LLVM's optimisation level does not change it.
-        compiled = step.lower(abstract, batch, RATE).compile(compiler_options=FAST)
-        return compiled.memory_analysis().temp_size_in_bytes, memory.memory_per_device(
-            config
-        ).activations
+    config = pipelined(2, 1, 4, micro, repeats)
+    model = dataclasses.replace(config.model, num_layers=4, first_k_dense=0, remat="full")
+    train = dataclasses.replace(config.train, batch_size=micro, seq_len=512, loss_chunks=8)
+    plan = dataclasses.replace(config.parallel, schedule=schedule)
+    config = dataclasses.replace(config, model=model, train=train, parallel=plan)
+    config, layout, abstract, shardings = placed(check_plan(config, 8))
+    graphdef, _ = abstract_state(config, layout)
+    tokens = jax.ShapeDtypeStruct((micro, 512), jnp.int32, sharding=mesh_lib.batch_sharding(layout))
+    step = jax.jit(
+        partial(train_step, graphdef, config), out_shardings=(shardings, None), donate_argnums=0
+    )
+    batch = {"inputs": tokens, "targets": tokens}
+    # Only the memory is read: LLVM's optimisation level does not change it.
+    compiled = step.lower(abstract, batch, RATE).compile(compiler_options=FAST)
+    temporaries = compiled.memory_analysis().temp_size_in_bytes
+    return temporaries, memory.memory_per_device(config).activations
 
-    a = 1 * 512 // 4 * 32 * 4  # one sequence per micro-batch, split 4 ways, fp32
+
+A = 1 * 512 // 4 * 32 * 4  # a: one sequence per micro-batch, split 4 ways, fp32
+
+
+def test_temporaries_grow_with_micro_batches_as_the_memory_model_says():
+    """GPipe keeps every tick's input and stage 0's buffer: per micro-batch of M,
+    (R + 1) a more per device. XLA's temporaries at M = S, 2 S and 4 S with
+    micro-batches of the same size grow as `memory.pipeline_activation_bytes` says
+    within 15%."""
     for repeats, factors in ((1, (1, 2, 4)), (2, (1, 2))):
-        points = [temp_and_model(2 * f, repeats) for f in factors]
+        points = [_temporaries_and_model(2 * f, repeats) for f in factors]
         for (t1, m1), (t2, m2) in itertools.pairwise(points):
             assert t2 - t1 == pytest.approx(m2 - m1, rel=0.15)
         (_, m1), (_, m2) = points[:2]
-        assert m2 - m1 == 2 * (repeats + 1) * a  # the model's own formula, for the record
+        assert m2 - m1 == 2 * (repeats + 1) * A  # the model's own formula, for the record
+
+
+def test_one_f_one_b_holds_inputs_bounded_by_stages_not_micro_batches():
+    """1F1B holds an item's input only from its forward to its backward: per micro-batch
+    of M only stage 0's buffer (a) and the token ids grow, not the inputs in flight, with
+    R = 2 as with one repeat; as the memory model says within 15%, and less than
+    half GPipe's (R + 1) a."""
+    points = [_temporaries_and_model(m, 2, "1f1b") for m in (2, 4, 8)]
+    for (t1, m1), (t2, m2) in itertools.pairwise(points):
+        assert t2 - t1 == pytest.approx(m2 - m1, rel=0.15)
+    per_micro_batch = (points[2][0] - points[1][0]) / 4
+    assert per_micro_batch < 0.5 * (2 + 1) * A

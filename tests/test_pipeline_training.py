@@ -1,7 +1,7 @@
 """The trainer with a pipeline: `parallel.stages=2` trains end to end on 8 CPU devices,
-in one process (the test's own) and as two processes of one stage each (`launch/local.py
--n 2`), and logs the losses of the one-stage run over the same micro-batches
-(`train.grad_accum=M`)."""
+under each schedule (`parallel.schedule`), in one process (the test's own) and as two
+processes of one stage each (`launch/local.py -n 2`), and logs the losses of the
+one-stage run over the same micro-batches (`train.grad_accum=M`)."""
 
 from __future__ import annotations
 
@@ -49,9 +49,11 @@ def one_stage(tmp_path_factory) -> dict[int, float]:
     return _train(tmp_path_factory.mktemp("one_stage"), {**SETTINGS, **ONE_STAGE})
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("processes", [1, 2], ids=["one_process", "a_process_per_stage"])
-def test_two_stages_log_the_one_stage_losses(tmp_path, one_stage, processes):
-    got = _train(tmp_path / "run", {**SETTINGS, **PIPELINE}, processes)
+def test_two_stages_log_the_one_stage_losses(tmp_path, one_stage, processes, schedule):
+    settings = {**SETTINGS, **PIPELINE, "parallel.schedule": schedule}
+    got = _train(tmp_path / "run", settings, processes)
     steps = sorted(got)
     np.testing.assert_allclose([got[s] for s in steps], [one_stage[s] for s in steps], rtol=1e-5)
     assert (tmp_path / "run" / "checkpoints" / str(STEPS)).is_dir()

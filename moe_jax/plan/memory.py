@@ -21,6 +21,7 @@ from moe_jax.model.mtp import is_moe
 from moe_jax.moe.experts import kernel_of, resolve_impl
 from moe_jax.parallel import registry
 from moe_jax.parallel.layout import DATA, INTRA
+from moe_jax.parallel.pipeline_schedule import one_f_one_b
 from moe_jax.plan import memory_mla
 from moe_jax.plan.comm_volume import DTYPE_BYTES
 from moe_jax.plan.state_arrays import device_bytes, state_arrays, state_bytes, units
@@ -446,7 +447,9 @@ def pipeline_activation_bytes(
     pipeline`: GPipe, circular repeats, each tick rematerialised), a = t·h·B the stream
     of one micro-batch on one device:
 
-    * tick_inputs: (M R + S - 1) a, every tick's input, kept for its recompute;
+    * tick_inputs: (M R + S - 1) a, every tick's input, kept for its recompute; under
+      1F1B in_flight, the table's slots (`pipeline_schedule`: bounded by S and R), and
+      targets, the M micro-batches' token ids;
     * buffer: M a, stage 0's micro-batch buffer (its cotangent in the backward takes
       the same memory once the forward's is dead);
     * outside: what the dense prefix (and, per micro-batch, the MTP modules) keeps for
@@ -457,8 +460,8 @@ def pipeline_activation_bytes(
       the head and loss of the K micro-batches (a loss chunk's float32 logits and their
       gradient).
 
-    Per micro-batch of M the device holds (R + 1) a more (tests/test_pipeline.py
-    measures it in XLA's buffer assignment)."""
+    Per micro-batch of M the device holds (R + 1) a more under GPipe, a under 1F1B
+    (tests/test_pipeline_state.py measures both in XLA's buffer assignment)."""
     z = _sizes(config, micro_batch)
     a = z.t * z.h * z.B
     k = micro // stages
@@ -473,8 +476,13 @@ def pipeline_activation_bytes(
     # the head's backward holds a loss chunk's float32 logits and their gradient at once
     chunks = loss_chunks(config, outer.b * config.parallel.data, outer.s)
     head = _head_bytes(config, outer) + outer.t * config.model.vocab_size * FP32 // chunks
+    if config.parallel.schedule == "1f1b":
+        table = one_f_one_b(stages, micro, repeats)
+        held = {"in_flight": (table.slots + table.gradient_slots) * a, "targets": micro * z.t * 4}
+    else:
+        held = {"tick_inputs": (micro * repeats + stages - 1) * a}
     return {
-        "tick_inputs": (micro * repeats + stages - 1) * a,
+        **held,
         "buffer": micro * a,
         "outside": kept_o,
         "working": max(kept_g + working_g, working_o + head + mtp_table_gradient_bytes(config)),
