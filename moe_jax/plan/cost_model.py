@@ -40,7 +40,7 @@ Model, per device and per micro-batch of the slowest pipeline stage:
     the data-parallel gradient sync (`param_traffic.hierarchical_sync_bytes`, float32,
     or halved with `Plan.grad_dtype="bfloat16"`) with the last micro-batch's backward,
     except the first layer's share (its gradients are ready last); a pipeline does not.
-  * pipeline (`Plan.schedule`), the trainer's (`moe_jax.parallel.pipeline`, "gpipe"):
+  * pipeline (`Plan.pipeline`), the trainer's ("trainer", `moe_jax.parallel.pipeline`):
     GPipe over S stages with R circular repeats, M micro-batches. Only the MoE layer
     stack is pipelined, cut into R S groups; a tick is one group's forward and backward
     for one micro-batch (model.remat inside), its forward once more (each tick is
@@ -51,8 +51,10 @@ Model, per device and per micro-batch of the slowest pipeline stage:
     (S-1) sends of K micro-batches to stage 0 and back, forward and backward + one
     gradient sum after the whole backward, exposed (each device its stage's 1/S of the
     stack, and the embedding, head and dense prefix, held on every stage, over
-    'stage' too) + the optimizer over the stage's parameters. Megatron-LM's and
-    MegaScale-MoE's 1F1B ("1f1b", `PAPER_SCHEDULE`, for `moe_jax.plan.paper_table` and
+    'stage' too) + the optimizer over the stage's parameters. 1F1B
+    (`parallel.schedule`): the same ticks, the head of the M micro-batches on the
+    last stage, the sends to stage 0 and back once. Megatron-LM's and
+    MegaScale-MoE's 1F1B (`PAPER_PIPELINE`, for `moe_jax.plan.paper_table` and
     the Megatron-LM baseline only, never offered to the trainer): layers cut
     contiguously, embedding on the first stage, head on the last, step = (m + p - 1)
     micro-batches of the slowest stage, activations sent every micro-batch.
@@ -114,9 +116,6 @@ def overlap_name(chunks: int, collective_matmul: bool, search: str = "") -> str:
 
 
 GRAD_SYNCS = ("hierarchical", "per_micro_batch")
-# Pipeline schedules: the trainer's (GPipe, circular repeats), and the 1F1B of the paper's
-# systems, for `moe_jax.plan.paper_table` and the Megatron-LM baseline only.
-SCHEDULES = ("gpipe", "1f1b")
 REPEAT_CHOICES = (1, 2, 4)  # parallel.repeats the planner tries
 REMATS = ("", "none", "selective", "offload", "full")
 ATTENTION_LAYOUTS = tuple(registry.ATTENTION)
@@ -136,7 +135,7 @@ class Plan:
     grad_sync: str = "hierarchical"  # or "per_micro_batch" (the trainer as compiled today)
     remat: str = ""  # "full", "selective" or "none"; "" = the config's model.remat
     grad_dtype: str = "float32"  # of the data-parallel gradient exchange ("bfloat16": halved)
-    schedule: str = "gpipe"  # of a pipeline: the trainer's, or `PAPER_SCHEDULE`
+    pipeline: str = "trainer"  # whose pipeline: the trainer's, or `PAPER_PIPELINE`
 
     @property
     def devices(self) -> int:
@@ -150,7 +149,7 @@ class Plan:
     @property
     def pipelined(self) -> bool:
         """Whether the plan runs the trainer's pipeline (`moe_jax.parallel.pipeline`)."""
-        return self.parallel.stages > 1 and self.schedule == "gpipe"
+        return self.parallel.stages > 1 and self.pipeline == "trainer"
 
     @property
     def micro_batches(self) -> int:
@@ -176,7 +175,13 @@ class Plan:
 
 # The searched `ParallelConfig` fields a plan sets unless given (the rest: the config's).
 SEARCHED_DEFAULTS = dict(
-    zero=0, etp=2, expert_fsdp=False, overlap_chunks=1, collective_matmul=False, repeats=1
+    zero=0,
+    etp=2,
+    expert_fsdp=False,
+    overlap_chunks=1,
+    collective_matmul=False,
+    repeats=1,
+    schedule="gpipe",
 )
 
 
@@ -190,7 +195,7 @@ def make_plan(
     stages: int = 1,
     micro_batch: int = 1,
     search: str = "",
-    schedule: str = "gpipe",
+    pipeline: str = "trainer",
     grad_sync: str = "hierarchical",
     remat: str = "",
     grad_dtype: str = "float32",
@@ -222,7 +227,7 @@ def make_plan(
         grad_sync=grad_sync,
         remat=remat,
         grad_dtype=grad_dtype,
-        schedule=schedule,
+        pipeline=pipeline,
     )
 
 

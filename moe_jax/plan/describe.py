@@ -29,6 +29,7 @@ PLAN_FIELDS = (
     "stages",
     "microbatches",
     "repeats",
+    "schedule",
 )
 
 

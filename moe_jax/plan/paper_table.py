@@ -11,7 +11,7 @@ memory-bound operators are recomputed) and BF16 gradient exchange (the paper's
 communication compression). Its baseline is Megatron-LM with tensor parallelism 8 for
 both blocks, no token-exchange overlap, full recompute (the config's `remat="full"`)
 and float32 gradient reduction (Megatron's --accumulate-allreduce-grads-in-fp32).
-Both run 1F1B pipelines (`paper_modes.PAPER_SCHEDULE`), not the trainer's.
+Both run 1F1B pipelines (`paper_modes.PAPER_PIPELINE`), not the trainer's.
 
     python -m moe_jax.plan.paper_table
 """
@@ -111,7 +111,7 @@ def rows(config: Config | None = None, gpu: GPU | str = "h800") -> list[Row]:
             intra=(gpu.gpus_per_node,),
             remat=PAPER_REMAT,
             grad_dtype=PAPER_GRAD_DTYPE,
-            schedule=paper_modes.PAPER_SCHEDULE,  # its 1F1B pipeline, not the trainer's
+            pipeline=paper_modes.PAPER_PIPELINE,  # its 1F1B pipeline, not the trainer's
         ).best
         megatron = planner.megatron_baseline(
             config,

@@ -14,6 +14,7 @@ import math
 from collections.abc import Callable, Iterator
 
 from moe_jax.config import Config, ParallelConfig
+from moe_jax.names import PIPELINE_SCHEDULES
 from moe_jax.parallel import registry
 from moe_jax.parallel.layout import DATA
 from moe_jax.plan import cost_model
@@ -25,7 +26,7 @@ from moe_jax.plan.cost_model import (
     StepCost,
 )
 from moe_jax.plan.hardware import GPU, get
-from moe_jax.plan.paper_modes import PAPER_SCHEDULE
+from moe_jax.plan.paper_modes import PAPER_PIPELINE
 
 # Share of a GPU's memory a plan may fill: the CUDA context, NCCL buffers and
 # allocator fragmentation take the rest (several GB on an 80 GB part).
@@ -111,24 +112,32 @@ def problem(
     return found[0] if found else None
 
 
-def _stages(config: Config, gpus: int, pp: int | None, schedule: str) -> list[int]:
+def _stages(config: Config, gpus: int, pp: int | None, pipeline: str) -> list[int]:
     """Pipeline depths to search: the trainer's pipelines its MoE layer stack (at least
     one unit per stage), 1F1B cuts all layers evenly (as Megatron-LM requires)."""
     if pp:
         return [pp]
     m = config.model
-    if schedule == PAPER_SCHEDULE:
+    if pipeline == PAPER_PIPELINE:
         return [s for s in _divisors(gpus) if m.num_layers % s == 0]
     units = m.num_moe_layers
     return [s for s in _divisors(gpus) if s == 1 or (units % s == 0 and units >= s)]
 
 
-def _repeats(config: Config, pp: int, schedule: str) -> list[int]:
+def _repeats(config: Config, pp: int, pipeline: str) -> list[int]:
     """parallel.repeats to search: R groups of the stack per stage, each of whole units."""
-    if pp == 1 or schedule == PAPER_SCHEDULE:
+    if pp == 1 or pipeline == PAPER_PIPELINE:
         return [1]
     units = config.model.num_moe_layers
     return [r for r in cost_model.REPEAT_CHOICES if units % (pp * r) == 0 and units >= pp * r]
+
+
+def _schedules(config: Config, pp: int, pipeline: str) -> tuple[str, ...]:
+    """parallel.schedule to search: both of the trainer's where it pipelines (1F1B runs
+    no multi-token prediction)."""
+    if pp == 1 or pipeline == PAPER_PIPELINE or config.model.mtp_depth:
+        return ("gpipe",)
+    return PIPELINE_SCHEDULES
 
 
 def plans(
@@ -146,20 +155,21 @@ def plans(
     grad_sync: str = "hierarchical",
     remat: str = "",
     grad_dtype: str = "float32",
-    schedule: str = "gpipe",
+    pipeline: str = "trainer",
     min_pp: int = 1,
 ) -> Iterator[Plan]:
     """Every plan the trainer's rules allow (memory not yet checked). ZeRO-1 is
     used whenever there is data parallelism: it moves the same bytes as an all-reduce
-    and shrinks the optimizer state. Pipelines are the trainer's (`schedule` "gpipe",
-    with `cost_model.REPEAT_CHOICES` circular repeats where the MoE stack divides) or,
-    for the paper's systems only, 1F1B (`PAPER_SCHEDULE`); `micro_batches`
+    and shrinks the optimizer state. Pipelines are the trainer's (GPipe or 1F1B,
+    `parallel.schedule`, with `cost_model.REPEAT_CHOICES` circular repeats where the MoE
+    stack divides) or,
+    for the paper's systems only, 1F1B (`PAPER_PIPELINE`); `micro_batches`
     fixes the micro-batches per step, `micro_batch` the sequences in each; `grad_sync`
     picks the gradient sync model, `remat` the recompute ("" = the config's; the memory
     model follows it), `grad_dtype` the precision of the gradient exchange and `overlap`
     the overlap settings tried (`cost_model.SEARCHES`; "both": all the trainer runs);
     `min_pp` leaves out shallower pipelines."""
-    for p in (s for s in _stages(config, gpus, pp, schedule) if s >= min_pp):
+    for p in (s for s in _stages(config, gpus, pp, pipeline) if s >= min_pp):
         for n in intra:
             if gpus % (n * p):
                 continue
@@ -170,21 +180,22 @@ def plans(
                 sizes = [per_group // micro_batches] if per_group % micro_batches == 0 else []
             if micro_batch:
                 sizes = [b for b in sizes if b == micro_batch]
-            if p > 1 and schedule != PAPER_SCHEDULE:  # each stage takes M / S
+            if p > 1 and pipeline != PAPER_PIPELINE:  # each stage takes M / S
                 sizes = [b for b in sizes if b > 0 and (per_group // b) % p == 0]
             kinds = _layouts(n, data, attention, experts)
             # Expert weights over 'data' too, where there is data parallelism.
             fsdp = (False, True) if data > 1 else (False,)
             # A ring over one device is no ring: the plan without it stands for it.
             overlaps = [o for o in cost_model.SEARCHES[overlap] if n > 1 or not o[1]]
-            for (att, exp, etp), b, split, (c, ring), r in (
-                (k, b, f, o, r)
+            for (att, exp, etp), b, split, (c, ring), r, sched in (
+                (k, b, f, o, r, sched)
                 for k in kinds
                 for b in sizes
                 if b > 0
                 for f in fsdp
                 for o in overlaps
-                for r in _repeats(config, p, schedule)
+                for r in _repeats(config, p, pipeline)
+                for sched in _schedules(config, p, pipeline)
             ):
                 plan = cost_model.make_plan(
                     config,
@@ -196,7 +207,7 @@ def plans(
                     stages=p,
                     micro_batch=b,
                     search=overlap,
-                    schedule=schedule,
+                    pipeline=pipeline,
                     grad_sync=grad_sync,
                     remat=remat,
                     grad_dtype=grad_dtype,
@@ -206,6 +217,7 @@ def plans(
                     collective_matmul=ring,
                     expert_fsdp=split,
                     repeats=r,
+                    schedule=sched,
                 )
                 if problem(config, plan, global_batch, gpu) is None:
                     yield plan
@@ -291,7 +303,7 @@ def _memory(config: Config, plan: Plan, batch: int):
     from moe_jax.plan.memory import memory_per_device
 
     # A 1F1B plan's stages are modelled as the trainer's pipeline of as many holds them.
-    held = dataclasses.replace(plan, schedule="gpipe")
+    held = dataclasses.replace(plan, pipeline="trainer")
     return memory_per_device(held.config(config, batch))
 
 
@@ -324,7 +336,7 @@ def megatron_baseline(
         experts=("etp",),
         intra=(n,),
         micro_batch=micro_batch,
-        schedule=PAPER_SCHEDULE,
+        pipeline=PAPER_PIPELINE,
     )
 
 
@@ -468,7 +480,8 @@ def summary(candidate: Candidate) -> dict:
         "n": p.intra,
         "pp": p.stages,
         "repeats": p.repeats,
-        "schedule": plan.schedule,
+        "pipeline": plan.pipeline,
+        "schedule": p.schedule,
         "data": p.data,
         "micro_batch": c.micro_batch,
         "zero": p.zero,

@@ -3,7 +3,7 @@ pipeline's ticks and its bubble (a part of `moe_jax.plan.cost_model.CostModel`).
 
 The trainer's pipeline ("gpipe", `moe_jax.parallel.pipeline`): GPipe over S stages with
 R circular repeats; the stage-cut step (`one_f_one_b_step`): the trainer's unpipelined
-step at one stage, and the 1F1B of the paper's systems (`PAPER_SCHEDULE`) at more.
+step at one stage, and the 1F1B of the paper's systems (`PAPER_PIPELINE`) at more.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ class Schedules:
         breakdown["optimizer"] = self.optimizer_s()
         return breakdown, hidden, t_mb
 
-    # --- the trainer's pipeline (`Plan.schedule` "gpipe") --------------------------
+    # --- the trainer's pipeline (`Plan.pipeline` "trainer") -------------------------
 
     def units_per_group(self) -> int:
         """MoE units (moe_every - 1 dense layers, one MoE layer) of each of the R S groups."""
@@ -155,18 +155,26 @@ class Schedules:
         """(breakdown, hidden, tick seconds) of the trainer's pipelined step: M R ticks of
         work and S - 1 of bubble, each stage's K = M / S micro-batches outside the
         pipeline, the sends of those to stage 0 and back (forward and backward), one
-        exposed gradient sum and the optimizer."""
+        exposed gradient sum and the optimizer. Under 1F1B (`parallel.schedule`) the
+        same ticks (`pipeline_schedule`: forward and backward work each in M R + S - 1),
+        but the last stage runs the head of all M micro-batches inside the loop while
+        the others wait, and the embedded inputs travel to stage 0 and their gradients
+        back once (the loop computes the gradients in the step's forward)."""
         p = self.plan.parallel
         tick, k = self.tick(), self.micro_batches // p.stages
+        one_f_one_b = p.schedule == "1f1b"
         total = Tally()
         total.add(tick, self.micro_batches * p.repeats)
         total.add(self.outside(), k)
+        if one_f_one_b:  # the other stages' micro-batches' heads, on the last stage
+            total.add(self.head(), self.micro_batches - k)
         breakdown = dict(total.compute)
         for key, value in total.exposed.items():
             breakdown[key] = breakdown.get(key, 0.0) + value
         outside = self.outside_params()
         breakdown["grad_accumulation"] += self.accumulation_s(outside, passes=1)
-        breakdown["pipeline_p2p"] += 4 * (p.stages - 1) * self.send_s(k * self.t)
+        sends = 2 if one_f_one_b else 4
+        breakdown["pipeline_p2p"] += sends * (p.stages - 1) * self.send_s(k * self.t)
         breakdown["bubble"] = (p.stages - 1) * tick.seconds
         breakdown["grad_sync"] = self.pipeline_sync_s()
         breakdown["optimizer"] = self.optimizer_s(p.repeats * self.group_params() + outside)
