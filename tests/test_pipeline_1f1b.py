@@ -14,12 +14,13 @@ import jax
 import numpy as np
 import pytest
 
+from moe_jax.config import ParallelConfig
 from moe_jax.parallel import mesh as mesh_lib
 from moe_jax.parallel import pipeline, pipeline_1f1b
 from moe_jax.parallel.pipeline_schedule import NONE, one_f_one_b
 from moe_jax.plan.resolve import check_plan
 from tests import pipelined as piped
-from tests.layouts import on_ragged_dot, planned, reference, run_under
+from tests.layouts import assert_trees_close, on_ragged_dot, planned, reference, run_under
 from tests.pipelined import MODEL, pipeline_trip_counts
 from tests.test_pipeline import _assert_equal_one_device
 
@@ -137,3 +138,33 @@ def test_poisoned_buffers_change_nothing():
     canonical = lambda run: pipeline.canonical(run.grads)
     for a, b in zip(jax.tree.leaves(canonical(got)), jax.tree.leaves(canonical(want)), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9)
+
+
+def test_document_masks_and_loss_weights_as_gpipe():
+    """Packed documents (positions restarting per document, loss weights counting only
+    targets within one), which the loop gathers per micro-batch: the same loss and
+    gradients as GPipe's."""
+    from moe_jax.train_step import abstract_state, gradients, init_placed
+    from tests.layouts import BASE
+    from tests.test_documents import _packed_batch
+
+    def run(schedule: str):
+        plan = ParallelConfig(
+            attention="sp", experts="ep_a2a", intra=2, data=2, stages=2, microbatches=4,
+            schedule=schedule,
+        )  # fmt: skip
+        model = dataclasses.replace(BASE.model, num_layers=4)
+        config = check_plan(dataclasses.replace(BASE, model=model, parallel=plan), 8)
+        layout = mesh_lib.make_layout(config, mesh_lib.make_mesh(config))
+        layout = dataclasses.replace(layout, documents=True)
+        graphdef, abstract = abstract_state(config, layout)
+        state = init_placed(config, layout, mesh_lib.train_state_shardings(abstract, layout, 0))
+        place = lambda v: jax.device_put(v, mesh_lib.batch_sharding(layout))
+        batch = {k: place(v) for k, v in _packed_batch().items()}
+        step = jax.jit(lambda state, batch: gradients(state, graphdef, batch, config))
+        return jax.device_get(step(state, batch))
+
+    (got, got_grads), (want, want_grads) = run("1f1b"), run("gpipe")
+    assert "positions" in _packed_batch()
+    np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-6)
+    assert_trees_close(pipeline.canonical(got_grads), pipeline.canonical(want_grads), rtol=1e-5)
