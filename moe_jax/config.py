@@ -236,9 +236,7 @@ class ParallelConfig:
     stages: int = 1  # S: pipeline stages the MoE layer stack is cut over (1: no pipeline)
     microbatches: int = 1  # M: micro-batches per step through the pipeline, a multiple of S
     repeats: int = 1  # R: circular schedule, R non-adjacent layer groups per stage
-    # 'gpipe': every forward tick, then every backward tick; '1f1b': each micro-batch's
-    # backward as soon as its loss is known, the head and loss on the last stage
-    # (`moe_jax.parallel.pipeline_1f1b`): the same bubble, inputs held bounded by S R.
+    # 'gpipe', or '1f1b' (`moe_jax.parallel.pipeline_1f1b`): inputs held bounded by S R.
     schedule: str = "gpipe"
 
 

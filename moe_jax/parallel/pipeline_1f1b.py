@@ -113,7 +113,7 @@ def _one_f_one_b(layout, parts, bubble, params, tail_params, x, rest, positions,
     tail_params, x)) by the 1F1B tick loop."""
     run_group, tail, stats_loss = parts
     stages, m, repeats = layout.stages, layout.microbatches, layout.repeats
-    plan = table(layout)
+    sched = table(layout)
     k = m // stages
     me = jax.lax.axis_index(STAGE)
     xs = x.reshape(k, x.shape[0] // k, *x.shape[1:])
@@ -131,7 +131,7 @@ def _one_f_one_b(layout, parts, bubble, params, tail_params, x, rest, positions,
     scale = stages / m
 
     def stage_fn(local, x, i, r):
-        here = jax.tree.map(lambda b: pipeline._stage_rows(b, repeats, stages)[r, me], rest)
+        here = jax.tree.map(lambda b: pipeline.stage_rows(b, repeats, stages)[r, me], rest)
         mine = positions if every is None else jax.lax.dynamic_index_in_dim(every, i, 0, False)
         return run_group(local, here, x, mine)
 
@@ -152,9 +152,9 @@ def _one_f_one_b(layout, parts, bubble, params, tail_params, x, rest, positions,
         out, pull = jax.vjp(lambda s: scale * stats_loss(varying_like(s, *like)), stats)
         return pull(varying_like(jnp.ones((), out.dtype), out))[0]
 
-    buffer = pipeline._gather_to_first(xs, stages, bubble)
-    inbox = jnp.full((plan.slots, *xs.shape[1:]), bubble, xs.dtype)
-    gbox = jnp.full((plan.gradient_slots, *xs.shape[1:]), bubble, xs.dtype)
+    buffer = pipeline.gather_to_first(xs, stages, bubble)
+    inbox = jnp.full((sched.slots, *xs.shape[1:]), bubble, xs.dtype)
+    gbox = jnp.full((sched.gradient_slots, *xs.shape[1:]), bubble, xs.dtype)
     zeros_x = varying_zeros(xs.shape[1:], xs.dtype, *like)
     inbox, gbox = varying_like(inbox, *like), varying_like(gbox, *like)
     g_params = varying_like(jax.tree.map(jnp.zeros_like, held), *like)
@@ -162,7 +162,7 @@ def _one_f_one_b(layout, parts, bubble, params, tail_params, x, rest, positions,
     lm_sum = varying_zeros((), jnp.float32, *like)
     ring = [(j, (j + 1) % stages) for j in range(stages)]
     back = [(j, (j - 1) % stages) for j in range(stages)]
-    rows = {name: jnp.asarray(getattr(plan, name)) for name in ROWS}
+    rows = {name: jnp.asarray(getattr(sched, name)) for name in ROWS}
 
     def tick(carry, row):
         inbox, gbox, buffer, received, returned, g_params, g_tail, total, lm_sum = carry
@@ -247,7 +247,7 @@ def _one_f_one_b(layout, parts, bubble, params, tail_params, x, rest, positions,
     carry = (inbox, gbox, buffer, zeros_x, zeros_x, g_params, g_tail, total, lm_sum)
     carry, _ = jax.lax.scan(tick, carry, rows)
     _, _, buffer, _, _, g_params, g_tail, total, lm_sum = carry
-    g_x = pipeline._scatter_from_first(buffer, stages, k, me).reshape(x.shape)
+    g_x = pipeline.scatter_from_first(buffer, stages, k, me).reshape(x.shape)
     if repeats == 1:
         g_params = jax.tree.map(lambda g: g[0], g_params)
     stats = jax.tree.map(lambda s: jax.lax.psum(s, STAGE) / m, total)

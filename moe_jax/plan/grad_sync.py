@@ -136,7 +136,12 @@ def _placement_key(sized: Config) -> Config:
     """`sized` without the settings parameter placement ignores (one cache entry for
     every micro-batch and overlap setting of a layout)."""
     parallel = dataclasses.replace(
-        sized.parallel, overlap_chunks=1, collective_matmul=False, microbatches=1, repeats=1
+        sized.parallel,
+        overlap_chunks=1,
+        collective_matmul=False,
+        microbatches=1,
+        repeats=1,
+        schedule="gpipe",
     )
     train = dataclasses.replace(sized.train, batch_size=1, grad_accum=1)
     return dataclasses.replace(sized, parallel=parallel, train=train)

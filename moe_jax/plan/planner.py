@@ -187,15 +187,14 @@ def plans(
             fsdp = (False, True) if data > 1 else (False,)
             # A ring over one device is no ring: the plan without it stands for it.
             overlaps = [o for o in cost_model.SEARCHES[overlap] if n > 1 or not o[1]]
-            for (att, exp, etp), b, split, (c, ring), r, sched in (
-                (k, b, f, o, r, sched)
+            for (att, exp, etp), b, split, (c, ring), r in (
+                (k, b, f, o, r)
                 for k in kinds
                 for b in sizes
                 if b > 0
                 for f in fsdp
                 for o in overlaps
                 for r in _repeats(config, p, pipeline)
-                for sched in _schedules(config, p, pipeline)
             ):
                 plan = cost_model.make_plan(
                     config,
@@ -217,10 +216,11 @@ def plans(
                     collective_matmul=ring,
                     expert_fsdp=split,
                     repeats=r,
-                    schedule=sched,
                 )
                 if problem(config, plan, global_batch, gpu) is None:
-                    yield plan
+                    for schedule in _schedules(config, p, pipeline):  # the same problems
+                        parallel = dataclasses.replace(plan.parallel, schedule=schedule)
+                        yield dataclasses.replace(plan, parallel=parallel)
 
 
 def _layouts(n: int, data: int, attention: tuple[str, ...], experts: tuple[str, ...]):
