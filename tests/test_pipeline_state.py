@@ -5,6 +5,7 @@ devices, and XLA's temporaries against the memory model."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import subprocess
 import sys
@@ -144,21 +145,30 @@ def test_megascale_352b_pipeline_compiles():
     print(f"352B pipeline per device: compiled {held / 1e6:.0f} MB, model {predicted / 1e6:.0f} MB")
 
 
-def _temporaries_and_model(micro: int, repeats: int, schedule: str = "gpipe") -> tuple[int, int]:
-    """XLA's temporaries of the compiled step (S = 2, n = 4, one sequence of 512 tokens
-    per micro-batch, no dense prefix: its backward's working set on XLA:CPU's blockwise
-    attention is not the pipeline's) and the memory model's activations."""
+@functools.cache
+def _temporaries_and_model(
+    micro: int, repeats: int, schedule: str = "gpipe", seq: int = 512, width: int = 0
+) -> tuple[int, int]:
+    """XLA's temporaries of the compiled step (S = 2, n = 4, one sequence of `seq`
+    tokens per micro-batch, MLP and expert width `width` if given, no dense prefix: its
+    backward's working set on XLA:CPU's blockwise attention is not the pipeline's) and
+    the memory model's activations."""
     from moe_jax.plan import memory
     from moe_jax.train_step import RATE, train_step
 
     config = pipelined(2, 1, 4, micro, repeats)
     model = dataclasses.replace(config.model, num_layers=4, first_k_dense=0, remat="full")
-    train = dataclasses.replace(config.train, batch_size=micro, seq_len=512, loss_chunks=8)
+    moe = config.moe
+    if width:
+        model = dataclasses.replace(model, mlp_dim=width)
+        moe = dataclasses.replace(moe, expert_mlp_dim=width)
+    chunks = 8 if seq >= 512 else 1
+    train = dataclasses.replace(config.train, batch_size=micro, seq_len=seq, loss_chunks=chunks)
     plan = dataclasses.replace(config.parallel, schedule=schedule)
-    config = dataclasses.replace(config, model=model, train=train, parallel=plan)
+    config = dataclasses.replace(config, model=model, moe=moe, train=train, parallel=plan)
     config, layout, abstract, shardings = placed(check_plan(config, 8))
     graphdef, _ = abstract_state(config, layout)
-    tokens = jax.ShapeDtypeStruct((micro, 512), jnp.int32, sharding=mesh_lib.batch_sharding(layout))
+    tokens = jax.ShapeDtypeStruct((micro, seq), jnp.int32, sharding=mesh_lib.batch_sharding(layout))
     step = jax.jit(
         partial(train_step, graphdef, config), out_shardings=(shardings, None), donate_argnums=0
     )
@@ -195,3 +205,13 @@ def test_one_f_one_b_holds_inputs_bounded_by_stages_not_micro_batches():
         assert t2 - t1 == pytest.approx(m2 - m1, rel=0.15)
     per_micro_batch = (points[2][0] - points[1][0]) / 8
     assert per_micro_batch < 0.5 * (2 + 1) * A
+
+
+def test_one_f_one_b_holds_no_more_than_gpipe_where_weights_outweigh_activations():
+    """Wide layers and short sequences, R = 2: each repeat's weight gradients are added
+    into the loop's accumulator in place (read, added and written back as a slice, the
+    accumulator cost a second copy of one repeat's gradients)."""
+    wide = dict(seq=64, width=2048)
+    one_f_one_b, _ = _temporaries_and_model(4, 2, "1f1b", **wide)
+    gpipe, _ = _temporaries_and_model(4, 2, "gpipe", **wide)
+    assert one_f_one_b <= gpipe * 1.01, (one_f_one_b, gpipe)

@@ -223,13 +223,8 @@ def _one_f_one_b(layout, parts, bubble, params, tail_params, x, rest, positions,
             (y, stats), pull = jax.vjp(lambda p, x: stage_fn(p, x, j, rb), repeat_of(rb), x_in)
             seed = jax.tree.map(partial(_masked, b_on), stats_seed(stats))
             d_local, dx = pull((varying_like(dy, y), seed))
-            g_params = jax.tree.map(
-                lambda acc, d: jax.lax.dynamic_update_index_in_dim(
-                    acc, jax.lax.dynamic_index_in_dim(acc, rb, 0, False) + d, rb, 0
-                ),
-                g_params,
-                d_local,
-            )
+            # a scatter-add, in place (a read-modify-write of the slice copied a repeat)
+            g_params = jax.tree.map(lambda acc, d: acc.at[rb].add(d), g_params, d_local)
             into = jnp.where(b_on & (at["backward_slot"] == NONE), j, NONE)
             return _put(buffer, into, dx), g_params, dx
 
