@@ -143,18 +143,7 @@ def _run(layout: Layout, run_group, params, rest, x, positions, bubble: float):
         x_in = jnp.where(valid, x_in, jnp.zeros_like(x_in))
         y, stats = stage_fn(params, rest, x_in, t)
         r = jnp.clip(i // m, 0, repeats - 1)
-        start = (r * stages + me) * per_stage
-        total = jax.tree.map(
-            lambda acc, s: jax.lax.dynamic_update_slice_in_dim(
-                acc,
-                jax.lax.dynamic_slice_in_dim(acc, start, per_stage)
-                + jnp.where(valid, s, jnp.zeros_like(s)),
-                start,
-                axis=0,
-            ),
-            total,
-            stats,
-        )
+        total = add_stats(total, stats, (r * stages + me) * per_stage, valid)
         with jax.named_scope(STAGE_SEND):
             sent = jax.lax.ppermute(y, STAGE, ring)
         return (buffer, sent, total), None
@@ -167,6 +156,18 @@ def _run(layout: Layout, run_group, params, rest, x, positions, bubble: float):
     y = scatter_from_first(buffer, stages, k, me)
     stats = jax.tree.map(lambda s: jax.lax.psum(s, STAGE) / m, total)
     return y.reshape(x.shape), stats
+
+
+def add_stats(total, stats, start, valid):
+    """`total` ([U, ...] per statistic) with a group's `stats` ([U / (R S), ...]) added
+    at rows `start` onwards where `valid` (a bubble's are left out)."""
+
+    def add(acc, s):
+        rows = jax.lax.dynamic_slice_in_dim(acc, start, s.shape[0])
+        rows = rows + jnp.where(valid, s, jnp.zeros_like(s))
+        return jax.lax.dynamic_update_slice_in_dim(acc, rows, start, axis=0)
+
+    return jax.tree.map(add, total, stats)
 
 
 def stage_rows(b: jax.Array, repeats: int, stages: int) -> jax.Array:

@@ -178,19 +178,7 @@ def _one_f_one_b(layout, parts, bubble, params, tail_params, x, rest, positions,
             x_in = _take(inbox, buffer, at["forward_slot"], i)
             x_in = jnp.where(f_on, x_in, zeros_x)
             y, stats = stage_fn(repeat_of(r), x_in, i, r)
-            start = (r * stages + me) * per_stage
-            total = jax.tree.map(
-                lambda acc, s: jax.lax.dynamic_update_slice_in_dim(
-                    acc,
-                    jax.lax.dynamic_slice_in_dim(acc, start, per_stage)
-                    + jnp.where(f_on, s, jnp.zeros_like(s)),
-                    start,
-                    axis=0,
-                ),
-                total,
-                stats,
-            )
-            return total, y
+            return pipeline.add_stats(total, stats, (r * stages + me) * per_stage, f_on), y
 
         total, y = jax.lax.cond(
             (row["forward"] != NONE).any(), forward, lambda t: (t, zeros_x), total
