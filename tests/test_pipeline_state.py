@@ -22,6 +22,7 @@ from moe_jax.checkpoint import Checkpointer
 from moe_jax.parallel import mesh as mesh_lib
 from moe_jax.parallel import pipeline
 from moe_jax.parallel.layout import STAGE
+from moe_jax.parallel.pipeline_schedule import one_f_one_b
 from moe_jax.plan.resolve import check_plan
 from moe_jax.train_step import abstract_state, init_placed
 from tests.commands import subprocess_env
@@ -87,7 +88,7 @@ def test_held_form_is_the_canonical_stack_reshaped():
 
 MEGASCALE_352B = textwrap.dedent(
     """
-    import dataclasses, os, runpy
+    import dataclasses, os, runpy, sys
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=120"
     os.environ["JAX_PLATFORMS"] = "cpu"
     from moe_jax import config as config_lib
@@ -109,7 +110,7 @@ MEGASCALE_352B = textwrap.dedent(
     moe = dataclasses.replace(base.moe, expert_mlp_dim=256)
     plan = dataclasses.replace(
         base.parallel, attention="sp", experts="ep_a2a", intra=8, data=1, stages=15,
-        repeats=4, microbatches=30, collective_matmul=True,
+        repeats=4, microbatches=30, collective_matmul=True, schedule=sys.argv[1],
     )
     train = dataclasses.replace(base.train, batch_size=60)
     config = dataclasses.replace(base, model=model, moe=moe, parallel=plan, train=train)
@@ -124,12 +125,14 @@ MEGASCALE_352B = textwrap.dedent(
 )
 
 
-def test_megascale_352b_pipeline_compiles():
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_megascale_352b_pipeline_compiles(schedule):
     """The 352B model's train step under its 1,440-GPU plan, one pipeline's 120 devices
     (forced CPU devices, abstract inputs: nothing allocated), at reduced width: 60
-    layers in 15 stages x 4 repeats of one layer, 30 micro-batches."""
+    layers in 15 stages x 4 repeats of one layer, 30 micro-batches, under each
+    schedule."""
     done = subprocess.run(
-        [sys.executable, "-c", MEGASCALE_352B],
+        [sys.executable, "-c", MEGASCALE_352B, schedule],
         cwd=Path(__file__).resolve().parents[1],
         env=subprocess_env(),
         capture_output=True,
@@ -140,8 +143,11 @@ def test_megascale_352b_pipeline_compiles():
     first, hlo = done.stdout.split("\n", 1)
     layers, held, predicted = map(int, first.split())
     assert layers == 60
-    # 30 micro-batches, 4 repeats, 15 stages: loops of 30 x 4 + 15 - 1 ticks, both ways
-    assert pipeline_trip_counts(hlo).count(134) >= 2
+    trips = pipeline_trip_counts(hlo)
+    if schedule == "gpipe":  # 30 micro-batches, 4 repeats, 15 stages: 30 x 4 + 15 - 1 ticks
+        assert trips.count(134) >= 2  # both ways
+    else:  # one loop of the table's ticks
+        assert trips.count(one_f_one_b(15, 30, 4).ticks) == 1 and 134 not in trips, trips
     print(f"352B pipeline per device: compiled {held / 1e6:.0f} MB, model {predicted / 1e6:.0f} MB")
 
 
