@@ -140,13 +140,6 @@ def check_meaningful(config: Config) -> None:
         p.schedule,
         "schedules a pipeline (parallel.stages > 1): leave it 'gpipe' without one",
     )
-    check(
-        p.schedule == "gpipe" or not config.model.mtp_depth,
-        "parallel.schedule",
-        p.schedule,
-        f"the 1F1B loop runs the main head only, not multi-token prediction "
-        f"(model.mtp_depth={config.model.mtp_depth}): use parallel.schedule=gpipe",
-    )
     e = config.moe
     check(
         not e.tile_size or e.impl in ("auto", "tiled"),

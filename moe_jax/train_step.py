@@ -61,12 +61,18 @@ def loss_fn(params, biases, graphdef, batch, config: Config, mtp: bool = True):
     mtp_load = objective = None
     batch = with_loss_weights(batch)  # under a document mask: only counted targets
     positions, weights = batch.get("positions"), batch.get("weights")
+    depth = config.model.mtp_depth if mtp else 0
+    if depth:
+        batch = mtp_lib.with_targets(batch, depth)
     if model.layout.loss_in_pipeline:  # 1F1B: the head and loss run inside the pipeline
-        objective, lm_loss, stats = model.pipelined_losses(
-            batch["inputs"], batch["targets"], chunks, positions, weights
+        extra = (batch["mtp"], config.train.mtp_loss_weight) if depth else None
+        objective, parts, stats = model.pipelined_losses(
+            batch["inputs"], batch["targets"], chunks, positions, weights, extra
         )
-    elif mtp and config.model.mtp_depth:
-        batch = mtp_lib.with_targets(batch, config.model.mtp_depth)
+        lm_loss, mtp_loss = parts["lm_loss"], parts.get("mtp_loss")
+        if depth:
+            stats, mtp_load = mtp_lib.merged(stats, parts["mtp_stats"])
+    elif depth:
         lm_loss, mtp_loss, (stats, mtp_load) = mtp_lib.losses(model, batch, chunks)
     elif chunks == 1 and model.layout.chunk_loss is None:
         logits, stats = model(batch["inputs"], positions)
@@ -78,7 +84,7 @@ def loss_fn(params, biases, graphdef, batch, config: Config, mtp: bool = True):
         )
     metrics = {"lm_loss": lm_loss}
     loss = lm_loss
-    if mtp and config.model.mtp_depth:
+    if depth:
         metrics["mtp_loss"] = mtp_loss
         loss = loss + config.train.mtp_loss_weight * mtp_loss
     if mtp_load is not None:

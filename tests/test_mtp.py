@@ -150,11 +150,13 @@ def test_layout_equals_one_device(name):
     _assert_equal(planned(LAYOUTS[name]), reference(BASE))
 
 
-def test_two_stage_pipeline_equals_one_stage():
-    """2 stages, 4 micro-batches: each stage runs its 2 micro-batches' MTP modules one
-    at a time (MoE aux losses are per micro-batch), against one device accumulating the
-    same 4 micro-batches."""
-    plan = pipelined(2, 1, 4, 4).parallel
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_two_stage_pipeline_equals_one_stage(schedule):
+    """2 stages, 4 micro-batches: under GPipe each stage runs its 2 micro-batches' MTP
+    modules one at a time after the pipeline, under 1F1B the last stage runs each
+    micro-batch's after its head inside the loop (MoE aux losses are per micro-batch
+    either way), against one device accumulating the same 4 micro-batches."""
+    plan = dataclasses.replace(pipelined(2, 1, 4, 4).parallel, schedule=schedule)
     train = dataclasses.replace(BASE.train, grad_accum=1)
     run = planned(dataclasses.replace(BASE, train=train, parallel=plan))
     ref = reference(BASE)

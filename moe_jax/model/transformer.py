@@ -22,8 +22,7 @@ from moe_jax.model.loss import chunked_cross_entropy
 from moe_jax.model.mla import MLAttention
 from moe_jax.model.mtp import MTP
 from moe_jax.moe.block import MoE, MoEStats
-from moe_jax.parallel.layout import SINGLE_DEVICE, Layout
-from moe_jax.parallel.pipeline_1f1b import Parts
+from moe_jax.parallel.layout import SINGLE_DEVICE, Layout, Parts
 
 
 class Block(nnx.Module):
@@ -121,14 +120,12 @@ class Stack(nnx.Module):
             return self.layout.stack(run_group, params, rest, x, positions)
         return run_group(params, rest, x, positions)
 
-    def with_loss(self, x, positions, tail, tail_params, targets, weights, stats_loss):
+    def with_loss(self, x, positions, tail, tail_params, data, stats_loss):
         """The stack followed by `tail` inside the layout's pipeline
-        (`Layout.stack_loss`): (objective, lm_loss, stats)."""
+        (`Layout.stack_loss`): (objective, metrics, stats)."""
         run_group, params, rest = self._split()
         parts = Parts(run_group, tail, stats_loss)
-        return self.layout.stack_loss(
-            parts, params, rest, x, positions, tail_params, targets, weights
-        )
+        return self.layout.stack_loss(parts, params, rest, x, positions, tail_params, data)
 
 
 class Transformer(nnx.Module):
@@ -223,19 +220,44 @@ class Transformer(nnx.Module):
         chunks: int,
         positions: jax.Array | None = None,
         weights: jax.Array | None = None,
-    ) -> tuple[jax.Array, jax.Array, MoEStats]:
-        """(objective, lm_loss, stats) where the layout's pipeline runs the head and loss
-        inside it (`Layout.loss_in_pipeline`): `lm_loss` and `stats` as `chunked_loss`
-        returns them, for the metrics; the objective, whose mean over devices is the
-        loss with its MoE terms, for the gradient."""
-        x, positions = self._prefix(tokens, positions)
-        norm_graph, norm_state = nnx.split(self.final_norm)
+        mtp: tuple[dict, float] | None = None,
+    ) -> tuple[jax.Array, dict, MoEStats]:
+        """(objective, metrics, stats) where the layout's pipeline runs the head and loss
+        inside it (`Layout.loss_in_pipeline`); with `mtp` = (the batch's 'mtp' part,
+        train.mtp_loss_weight) the multi-token prediction modules too, after the head
+        of each micro-batch. `metrics` hold `lm_loss` (and `mtp_loss`, and the MTP
+        modules' stats under `mtp_stats`, as `mtp.losses` returns them), `stats` the
+        stack's: for the metrics. The objective, whose mean over devices is the loss
+        with its MoE terms, carries the gradient."""
+        x, given = self._prefix(tokens, positions)
+        graph = lambda module: nnx.split(module)[0]
+        state = lambda module: None if module is None else nnx.split(module)[1]
         stored = self.embed.table[...] if self.head is None else self.head[...]
+        dtype = jnp.dtype(self.cfg.dtype)
+        data = {"targets": targets, "weights": weights}
+        if mtp is not None:  # the MTP modules embed tokens ahead and read their positions
+            data.update(mtp=mtp[0], positions=positions)
+        extra = (self.embed, self.mtp) if mtp is not None else (None, None)
+        modules = (self.final_norm, *extra)
 
-        def tail(tail_params, y, targets, weights):
-            norm_state, stored = tail_params
-            x = nnx.merge(norm_graph, norm_state)(y)
-            return self._head_loss(stored, x, targets, chunks, weights)
+        def tail(tail_params, y, data):
+            stored, norm, embed, layers = tail_params
+            loss = lambda x, t, w: self._head_loss(stored, x, t, chunks, w)
+            x = nnx.merge(graph(self.final_norm), norm)(y)
+            lm = loss(x, data["targets"], data["weights"])
+            if layers is None:
+                return lm, {"lm_loss": lm}
+            embed = nnx.merge(graph(self.embed), embed)
+            mtp_loss, mtp_stats = nnx.merge(graph(self.mtp), layers)(
+                x,
+                data["mtp"],
+                lambda t: embed(t, dtype),
+                lambda t: self.layout.positions(t, data["positions"]),
+                loss,
+            )
+            total = lm + mtp[1] * mtp_loss
+            total += sum(stats_loss(s) for s in mtp_stats if s is not None)
+            return total, {"lm_loss": lm, "mtp_loss": mtp_loss, "mtp_stats": mtp_stats}
 
         moe = self.moe_cfg
 
@@ -246,9 +268,8 @@ class Transformer(nnx.Module):
                 + moe.z_loss_coef * stats.z_loss.sum()
             )
 
-        return self.moe.with_loss(
-            x, positions, tail, (norm_state, stored), targets, weights, stats_loss
-        )
+        tail_params = (stored, *map(state, modules))
+        return self.moe.with_loss(x, given, tail, tail_params, data, stats_loss)
 
     def __call__(
         self, tokens: jax.Array, positions: jax.Array | None = None

@@ -18,6 +18,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -82,6 +83,19 @@ DP = AttentionSpec(
     mlp_in_shard_map=False,
 )
 LOCAL_EXPERTS = ExpertSpec(name="local", block=local_moe, dispatcher=TokenDispatcher)
+
+
+class Parts(NamedTuple):
+    """What a pipeline that runs the loss runs (`Layout.stack_loss`):
+    `run_group(params, rest, x, positions) -> (y, stats)` as `Layout.stack` takes it,
+    `tail(tail_params, y, data) -> (loss, metrics)` on one micro-batch's stack output
+    and its part of the data (the loss carries the gradient, the metrics are
+    averaged), and `stats_loss(stats)`, the loss's MoE terms (linear in the
+    statistics)."""
+
+    run_group: Callable
+    tail: Callable
+    stats_loss: Callable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,14 +170,12 @@ class Layout:
         """Whether the pipeline runs the head and the loss too (`stack_loss`)."""
         return self.pipelined and self.pipeline_loss is not None
 
-    def stack_loss(self, parts, params, biases, x, positions, tail_params, targets, weights):
-        """(objective, lm_loss, stats): the pipelined stack as `stack` runs it, followed
-        per micro-batch by the tail, where `loss_in_pipeline` (`parts`: `moe_jax.
-        parallel.pipeline_1f1b.Parts`). The objective carries the gradient; its mean
-        over devices is the loss."""
-        return self.pipeline_loss(
-            self, parts, params, biases, x, positions, tail_params, targets, weights
-        )
+    def stack_loss(self, parts: Parts, params, biases, x, positions, tail_params, data):
+        """(objective, metrics, stats): the pipelined stack as `stack` runs it, followed
+        per micro-batch by `parts.tail` on that micro-batch's part of `data`, where
+        `loss_in_pipeline`. The objective carries the gradient; its mean over devices
+        is the loss; the tail's metrics are their means over the micro-batches."""
+        return self.pipeline_loss(self, parts, params, biases, x, positions, tail_params, data)
 
     @staticmethod
     def layer_weights(params):

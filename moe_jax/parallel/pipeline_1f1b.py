@@ -21,42 +21,31 @@ the step's gradient exchange see an ordinary differentiable function. Without a
 gradient (evaluation) the same objective comes from GPipe's forward, which has no
 backward to interleave.
 
-The head, final norm and loss run on the last stage for every micro-batch (the
-micro-batches' targets are gathered there: token ids only), as Megatron's last stage
-runs them. The objective each device returns is S / M times its share (the last
-stage's loss sums, each stage's MoE terms over its layers), so that the mean over all
-devices is the mean loss over the micro-batches, as GPipe's.
+The tail (final norm, head and loss; with multi-token prediction the MTP modules, which
+embed the tokens ahead and read the shared head) runs on the last stage for every
+micro-batch (the micro-batches' targets and MTP inputs are gathered there: token ids
+and loss weights only), as Megatron's last stage runs them. The objective each device
+returns is S / M times its share (the last stage's loss sums, each stage's MoE terms
+over its layers), so that the mean over all devices is the mean loss over the
+micro-batches, as GPipe's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from functools import partial
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from moe_jax.kernels.varying import varying_axes, varying_like, varying_zeros
 from moe_jax.parallel import pipeline
-from moe_jax.parallel.layout import STAGE, Layout
+from moe_jax.parallel.layout import STAGE, Layout, Parts
 from moe_jax.parallel.pipeline_schedule import NONE, ROWS, Table, one_f_one_b
 from moe_jax.parallel.scopes import DOCUMENT_POSITIONS, PIPELINE, STAGE_SEND
 
 
 def table(layout: Layout) -> Table:
     return one_f_one_b(layout.stages, layout.microbatches, layout.repeats)
-
-
-class Parts(NamedTuple):
-    """What the loop runs: `run_group(params, rest, x, positions) -> (y, stats)` (as
-    `pipeline.run` takes it), `tail(tail_params, y, targets, weights) -> mean loss` of
-    one micro-batch's stack output, and `stats_loss(stats)`, the loss's MoE terms
-    (linear in the statistics)."""
-
-    run_group: Callable
-    tail: Callable
-    stats_loss: Callable
 
 
 def run_loss(
@@ -67,20 +56,18 @@ def run_loss(
     x: jax.Array,
     positions: jax.Array,
     tail_params,
-    targets: jax.Array,
-    weights: jax.Array | None,
+    data,
     bubble: float = 0.0,
 ):
-    """(objective, lm_loss, stats) of the pipelined stack followed by the tail, on one
-    device: `params`, `rest`, `x`, `positions` as `pipeline.run` takes them; `targets`,
-    `weights` ([K mb, seq]) this stage's micro-batches' as `x`. `lm_loss` and `stats`
-    are metrics (no gradient); `objective` is S / M times this device's share of the
-    loss (see the module docstring). `bubble` fills the buffers before anything is
-    written into them (tests poison them with NaN)."""
+    """(objective, metrics, stats) of the pipelined stack followed by the tail, on one
+    device: `params`, `rest`, `x`, `positions` as `pipeline.run` takes them; `data` a
+    tree of what the tail reads ([K mb, ...] leaves, this stage's micro-batches' as
+    `x`). `metrics` (the tail's, their mean over the micro-batches) and `stats` are the
+    same on every stage and carry no gradient; `objective` is S / M times this device's
+    share of the loss (see the module docstring). `bubble` fills the buffers before
+    anything is written into them (tests poison them with NaN)."""
     with jax.named_scope(PIPELINE):
-        return _objective(layout, parts, bubble)(
-            params, tail_params, x, rest, positions, targets, weights
-        )
+        return _objective(layout, parts, bubble)(params, tail_params, x, rest, positions, data)
 
 
 def _objective(layout: Layout, parts: Parts, bubble: float):
@@ -89,27 +76,32 @@ def _objective(layout: Layout, parts: Parts, bubble: float):
         return _forward_only(layout, parts, *args)
 
     def fwd(*args):
-        return _one_f_one_b(layout, parts, bubble, *args)
+        out, grads = _one_f_one_b(layout, parts, bubble, *args)
+        return out, (grads, args[:3])  # the primals for their types only
 
-    def bwd(grads, cotangents):
-        ct = cotangents[0]
-        scaled = jax.tree.map(lambda g: (g * ct.astype(g.dtype)).astype(g.dtype), grads)
-        return (*scaled, None, None, None, None)
+    def bwd(kept, cotangents):
+        (grads, primals), ct = kept, cotangents[0]
+        scale = lambda g, p: _typed_like((g * ct.astype(g.dtype)).astype(g.dtype), p)
+        return (*jax.tree.map(scale, grads, primals), None, None, None)
 
     objective.defvjp(fwd, bwd)
     return objective
 
 
-def _forward_only(layout, parts, params, tail_params, x, rest, positions, targets, weights):
+def _forward_only(layout, parts, params, tail_params, x, rest, positions, data):
     """The same objective by GPipe's forward and the tail on each stage's own
-    micro-batches (its mean over all devices equals the 1F1B loop's)."""
+    micro-batches, one at a time (its mean over all devices equals the loop's)."""
     y, stats = pipeline.run(layout, parts.run_group, params, rest, x, positions)
-    lm = parts.tail(tail_params, y, targets, weights)
-    return lm + parts.stats_loss(stats), lm, stats
+    k = layout.microbatches // layout.stages
+    per_micro = lambda a: a.reshape(k, a.shape[0] // k, *a.shape[1:])
+    items = (per_micro(y), jax.tree.map(per_micro, data))
+    loss, metrics = jax.lax.map(lambda a: parts.tail(tail_params, *a), items)
+    metrics = jax.tree.map(lambda m: jax.lax.pmean(m.mean(0), STAGE), metrics)
+    return loss.mean() + parts.stats_loss(stats), metrics, stats
 
 
-def _one_f_one_b(layout, parts, bubble, params, tail_params, x, rest, positions, targets, weights):
-    """((objective, lm_loss, stats), gradients of the objective for (params,
+def _one_f_one_b(layout, parts, bubble, params, tail_params, x, rest, positions, data):
+    """((objective, metrics, stats), gradients of the objective for (params,
     tail_params, x)) by the 1F1B tick loop."""
     run_group, tail, stats_loss = parts
     stages, m, repeats = layout.stages, layout.microbatches, layout.repeats
@@ -119,8 +111,7 @@ def _one_f_one_b(layout, parts, bubble, params, tail_params, x, rest, positions,
     xs = x.reshape(k, x.shape[0] // k, *x.shape[1:])
     per_micro = lambda a: a.reshape(k, a.shape[0] // k, *a.shape[1:])
     gather = lambda a: jax.lax.all_gather(per_micro(a), STAGE, tiled=True)  # [M, mb, ...]
-    targets = gather(targets)
-    weights = None if weights is None else gather(weights)
+    data = jax.tree.map(gather, data)
     if layout.documents:
         with jax.named_scope(DOCUMENT_POSITIONS):
             every = gather(positions)
@@ -159,13 +150,19 @@ def _one_f_one_b(layout, parts, bubble, params, tail_params, x, rest, positions,
     inbox, gbox = varying_like(inbox, *like), varying_like(gbox, *like)
     g_params = varying_like(jax.tree.map(jnp.zeros_like, held), *like)
     g_tail = varying_like(jax.tree.map(jnp.zeros_like, tail_params), *like)
-    lm_sum = varying_zeros((), jnp.float32, *like)
+    item = lambda a, i: jax.lax.dynamic_index_in_dim(a, i, 0, False)
+    y_shape = jax.eval_shape(lambda p, x: stage_fn(p, x, 0, 0)[0], repeat_of(0), xs[0])
+    _, metrics_shape = jax.eval_shape(
+        lambda y, d: tail(tail_params, y, jax.tree.map(lambda a: item(a, 0), d)), y_shape, data
+    )
+    sums = varying_like(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metrics_shape), *like)
+    loss_sum = varying_zeros((), jnp.float32, *like)
     ring = [(j, (j + 1) % stages) for j in range(stages)]
     back = [(j, (j - 1) % stages) for j in range(stages)]
     rows = {name: jnp.asarray(getattr(sched, name)) for name in ROWS}
 
     def tick(carry, row):
-        inbox, gbox, buffer, received, returned, g_params, g_tail, total, lm_sum = carry
+        inbox, gbox, buffer, received, returned, g_params, g_tail, total, sums, loss_sum = carry
         at = {name: row[name][me] for name in ROWS}
         inbox = _put(inbox, at["arrive_slot"], received)
         gbox = _put(gbox, at["gradient_arrive_slot"], returned)
@@ -186,17 +183,19 @@ def _one_f_one_b(layout, parts, bubble, params, tail_params, x, rest, positions,
         on_loss = at["loss"] > 0
 
         def loss(args):
-            gbox, g_tail, lm_sum = args
-            pick = lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, False)
-            w = None if weights is None else pick(weights)
-            lm, pull = jax.vjp(lambda tp, y: tail(tp, y, pick(targets), w), tail_params, y)
+            gbox, g_tail, sums, loss_sum = args
+            mine = jax.tree.map(lambda a: item(a, i), data)
+            run = lambda tp, y: tail(tp, y, mine)
+            lm, pull, metrics = jax.vjp(run, tail_params, y, has_aux=True)
             d_tail, dy = pull(varying_like(jnp.where(on_loss, scale, 0.0).astype(lm.dtype), lm))
             gbox = _put(gbox, jnp.where(on_loss, at["loss_slot"], NONE), dy.astype(xs.dtype))
             g_tail = jax.tree.map(jnp.add, g_tail, d_tail)
-            return gbox, g_tail, lm_sum + jnp.where(on_loss, lm, 0.0)
+            add = lambda acc, v: acc + jnp.where(on_loss, v, jnp.zeros_like(v)).astype(acc.dtype)
+            sums = jax.tree.map(add, sums, varying_like(metrics, *like))
+            return gbox, g_tail, sums, loss_sum + jnp.where(on_loss, lm, 0.0)
 
-        gbox, g_tail, lm_sum = jax.lax.cond(
-            (row["loss"] > 0).any(), loss, lambda a: a, (gbox, g_tail, lm_sum)
+        gbox, g_tail, sums, loss_sum = jax.lax.cond(
+            (row["loss"] > 0).any(), loss, lambda a: a, (gbox, g_tail, sums, loss_sum)
         )
 
         # backward item
@@ -225,17 +224,26 @@ def _one_f_one_b(layout, parts, bubble, params, tail_params, x, rest, positions,
         with jax.named_scope(STAGE_SEND):
             sent = jax.lax.ppermute(y, STAGE, ring)
             sent_back = jax.lax.ppermute(dx, STAGE, back)
-        return (inbox, gbox, buffer, sent, sent_back, g_params, g_tail, total, lm_sum), None
+        carry = (inbox, gbox, buffer, sent, sent_back, g_params, g_tail, total, sums, loss_sum)
+        return carry, None
 
-    carry = (inbox, gbox, buffer, zeros_x, zeros_x, g_params, g_tail, total, lm_sum)
+    carry = (inbox, gbox, buffer, zeros_x, zeros_x, g_params, g_tail, total, sums, loss_sum)
     carry, _ = jax.lax.scan(tick, carry, rows)
-    _, _, buffer, _, _, g_params, g_tail, total, lm_sum = carry
+    _, _, buffer, _, _, g_params, g_tail, total, sums, loss_sum = carry
     g_x = pipeline.scatter_from_first(buffer, stages, k, me).reshape(x.shape)
     if repeats == 1:
         g_params = jax.tree.map(lambda g: g[0], g_params)
-    stats = jax.tree.map(lambda s: jax.lax.psum(s, STAGE) / m, total)
-    objective = scale * (lm_sum + stats_loss(total))
-    return (objective, scale * lm_sum, stats), (g_params, g_tail, g_x)
+    stats, metrics = (jax.tree.map(lambda s: jax.lax.psum(s, STAGE) / m, t) for t in (total, sums))
+    objective = scale * (loss_sum + stats_loss(total))
+    return (objective, metrics, stats), (g_params, g_tail, g_x)
+
+
+def _typed_like(g, primal):
+    """`g`, the gradient of `primal`, summed over the mesh axes it varies over and
+    `primal` does not (a state the tail reads the same on every device, as the MTP
+    modules' router biases: their gradient is dropped, its type must still match)."""
+    extra = tuple(sorted(varying_axes(g) - varying_axes(primal)))
+    return jax.lax.psum(g, extra) if extra else g
 
 
 def _masked(on, g):

@@ -452,13 +452,13 @@ def pipeline_activation_bytes(
       targets, the M micro-batches' token ids;
     * buffer: M a, stage 0's micro-batch buffer (its cotangent in the backward takes
       the same memory once the forward's is dead);
-    * outside: what the dense prefix (and, per micro-batch, the MTP modules) keeps for
-      the K = M / S micro-batches each stage
-      runs outside the pipeline (one batch of K b sequences);
+    * outside: what the dense prefix (and under GPipe, per micro-batch, the MTP
+      modules) keeps for the K = M / S micro-batches each stage runs outside the
+      pipeline (one batch of K b sequences);
     * working: the largest transient: one tick's backward (its group's units recomputed
       under model.remat, then one unit's backward), or the outside part's backward with
       the head and loss of the K micro-batches (a loss chunk's float32 logits and their
-      gradient).
+      gradient); under 1F1B the loop's tail of one micro-batch, or the prefix's backward.
 
     Per micro-batch of M the device holds (R + 1) a more under GPipe, a under 1F1B
     (tests/test_pipeline_state.py measures both in XLA's buffer assignment)."""
@@ -469,24 +469,24 @@ def pipeline_activation_bytes(
     group = piped[: len(piped) // (repeats * stages)]
     kept_g, working_g = stage_activation_bytes(config, group, False, micro_batch)
     kept_o, working_o = stage_activation_bytes(config, outside, False, k * micro_batch)
-    # the MTP modules also run outside, but one micro-batch at a time (`mtp.losses`)
+    # the MTP modules run one micro-batch at a time (`mtp.losses`; 1F1B: in the loop)
     kept_m, working_m = stage_activation_bytes(config, mtp_units(config), False, micro_batch)
-    kept_o, working_o = kept_o + k * kept_m, max(working_o, working_m)
-    outer = _sizes(config, k * micro_batch)
-    # the head's backward holds a loss chunk's float32 logits and their gradient at once
-    chunks = loss_chunks(config, outer.b * config.parallel.data, outer.s)
-    head = _head_bytes(config, outer) + outer.t * config.model.vocab_size * FP32 // chunks
-    if config.parallel.schedule == "1f1b":
+    tables = mtp_table_gradient_bytes(config)
+
+    def head(z: _Sizes) -> int:  # its backward holds a loss chunk's logits and gradient
+        chunks = loss_chunks(config, z.b * config.parallel.data, z.s)
+        return _head_bytes(config, z) + z.t * config.model.vocab_size * FP32 // chunks
+
+    if config.parallel.schedule == "1f1b":  # the tail of one micro-batch per tick
         table = one_f_one_b(stages, micro, repeats)
         held = {"in_flight": (table.slots + table.gradient_slots) * a, "targets": micro * z.t * 4}
+        working = max(kept_g + working_g, kept_m + working_m + head(z) + tables, working_o)
     else:
         held = {"tick_inputs": (micro * repeats + stages - 1) * a}
-    return {
-        **held,
-        "buffer": micro * a,
-        "outside": kept_o,
-        "working": max(kept_g + working_g, working_o + head + mtp_table_gradient_bytes(config)),
-    }
+        kept_o, working_o = kept_o + k * kept_m, max(working_o, working_m)
+        outer = _sizes(config, k * micro_batch)
+        working = max(kept_g + working_g, working_o + head(outer) + tables)
+    return {**held, "buffer": micro * a, "outside": kept_o, "working": working}
 
 
 def _pipeline_memory(config: Config, stages: int, micro_batch: int | None) -> Memory:

@@ -133,9 +133,8 @@ def _repeats(config: Config, pp: int, pipeline: str) -> list[int]:
 
 
 def _schedules(config: Config, pp: int, pipeline: str) -> tuple[str, ...]:
-    """parallel.schedule to search: both of the trainer's where it pipelines (1F1B runs
-    no multi-token prediction)."""
-    if pp == 1 or pipeline == PAPER_PIPELINE or config.model.mtp_depth:
+    """parallel.schedule to search: both of the trainer's where it pipelines."""
+    if pp == 1 or pipeline == PAPER_PIPELINE:
         return ("gpipe",)
     return PIPELINE_SCHEDULES
 
