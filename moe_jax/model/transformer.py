@@ -120,12 +120,13 @@ class Stack(nnx.Module):
             return self.layout.stack(run_group, params, rest, x, positions)
         return run_group(params, rest, x, positions)
 
-    def with_loss(self, x, positions, tail, tail_params, data, stats_loss):
-        """The stack followed by `tail` inside the layout's pipeline
-        (`Layout.stack_loss`): (objective, metrics, stats)."""
+    def with_loss(self, tokens, positions, head, head_params, tail, tail_params, data, loss):
+        """`head`, this stack and `tail` inside the layout's pipeline
+        (`Layout.stack_loss`; `loss`: the MoE terms): (objective, metrics, stats)."""
         run_group, params, rest = self._split()
-        parts = Parts(run_group, tail, stats_loss)
-        return self.layout.stack_loss(parts, params, rest, x, positions, tail_params, data)
+        parts = Parts(run_group, tail, loss, head)
+        args = (params, rest, tokens, positions, head_params, tail_params, data)
+        return self.layout.stack_loss(parts, *args)
 
 
 class Transformer(nnx.Module):
@@ -229,7 +230,7 @@ class Transformer(nnx.Module):
         modules' stats under `mtp_stats`, as `mtp.losses` returns them), `stats` the
         stack's: for the metrics. The objective, whose mean over devices is the loss
         with its MoE terms, carries the gradient."""
-        x, given = self._prefix(tokens, positions)
+        given = self.layout.positions(tokens, positions)
         graph = lambda module: nnx.split(module)[0]
         state = lambda module: None if module is None else nnx.split(module)[1]
         stored = self.embed.table[...] if self.head is None else self.head[...]
@@ -268,8 +269,15 @@ class Transformer(nnx.Module):
                 + moe.z_loss_coef * stats.z_loss.sum()
             )
 
+        def head(head_params, tokens, positions):
+            embed, dense = head_params
+            x = nnx.merge(graph(self.embed), embed)(tokens, dtype)
+            return x if dense is None else nnx.merge(graph(self.dense), dense)(x, positions)[0]
+
+        head_params = (state(self.embed), state(self.dense))
         tail_params = (stored, *map(state, modules))
-        return self.moe.with_loss(x, given, tail, tail_params, data, stats_loss)
+        args = (head, head_params, tail, tail_params, data, stats_loss)
+        return self.moe.with_loss(tokens, given, *args)
 
     def __call__(
         self, tokens: jax.Array, positions: jax.Array | None = None

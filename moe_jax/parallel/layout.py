@@ -90,12 +90,14 @@ class Parts(NamedTuple):
     `run_group(params, rest, x, positions) -> (y, stats)` as `Layout.stack` takes it,
     `tail(tail_params, y, data) -> (loss, metrics)` on one micro-batch's stack output
     and its part of the data (the loss carries the gradient, the metrics are
-    averaged), and `stats_loss(stats)`, the loss's MoE terms (linear in the
-    statistics)."""
+    averaged), `stats_loss(stats)`, the loss's MoE terms (linear in the statistics),
+    and `head(head_params, tokens, positions) -> x`, the stack's input (the embedding
+    and dense prefix) of the micro-batches given."""
 
     run_group: Callable
     tail: Callable
     stats_loss: Callable
+    head: Callable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,12 +172,16 @@ class Layout:
         """Whether the pipeline runs the head and the loss too (`stack_loss`)."""
         return self.pipelined and self.pipeline_loss is not None
 
-    def stack_loss(self, parts: Parts, params, biases, x, positions, tail_params, data):
-        """(objective, metrics, stats): the pipelined stack as `stack` runs it, followed
-        per micro-batch by `parts.tail` on that micro-batch's part of `data`, where
-        `loss_in_pipeline`. The objective carries the gradient; its mean over devices
-        is the loss; the tail's metrics are their means over the micro-batches."""
-        return self.pipeline_loss(self, parts, params, biases, x, positions, tail_params, data)
+    def stack_loss(
+        self, parts: Parts, params, biases, tokens, positions, head_params, tail_params, data
+    ):
+        """(objective, metrics, stats): `parts.head` on each micro-batch of `tokens`, the
+        pipelined stack as `stack` runs it, then `parts.tail` on that micro-batch's
+        part of `data`, where `loss_in_pipeline`. The objective carries the gradient;
+        its mean over devices is the loss; the tail's metrics are their means over the
+        micro-batches."""
+        args = (params, biases, tokens, positions, head_params, tail_params, data)
+        return self.pipeline_loss(self, parts, *args)
 
     @staticmethod
     def layer_weights(params):

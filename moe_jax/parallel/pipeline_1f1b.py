@@ -53,21 +53,24 @@ def run_loss(
     parts: Parts,
     params,
     rest,
-    x: jax.Array,
+    tokens: jax.Array,
     positions: jax.Array,
+    head_params,
     tail_params,
     data,
     bubble: float = 0.0,
 ):
-    """(objective, metrics, stats) of the pipelined stack followed by the tail, on one
-    device: `params`, `rest`, `x`, `positions` as `pipeline.run` takes them; `data` a
-    tree of what the tail reads ([K mb, ...] leaves, this stage's micro-batches' as
-    `x`). `metrics` (the tail's, their mean over the micro-batches) and `stats` are the
-    same on every stage and carry no gradient; `objective` is S / M times this device's
-    share of the loss (see the module docstring). `bubble` fills the buffers before
-    anything is written into them (tests poison them with NaN)."""
+    """(objective, metrics, stats) of the head (embedding and dense prefix), the
+    pipelined stack and the tail, on one device: `params`, `rest`, `positions` as
+    `pipeline.run` takes them, `tokens` [K mb, seq] this stage's micro-batches; `data` a
+    tree of what the tail reads ([K mb, ...] leaves, as `tokens`). `metrics` (the
+    tail's, their mean over the micro-batches) and `stats` are the same on every stage
+    and carry no gradient; `objective` is S / M times this device's share of the loss
+    (see the module docstring). `bubble` fills the buffers before anything is written
+    into them (tests poison them with NaN)."""
+    args = (params, tail_params, head_params, rest, tokens, positions, data)
     with jax.named_scope(PIPELINE):
-        return _objective(layout, parts, bubble)(params, tail_params, x, rest, positions, data)
+        return _objective(layout, parts, bubble)(*args)
 
 
 def _objective(layout: Layout, parts: Parts, bubble: float):
@@ -82,15 +85,17 @@ def _objective(layout: Layout, parts: Parts, bubble: float):
     def bwd(kept, cotangents):
         (grads, primals), ct = kept, cotangents[0]
         scale = lambda g, p: _typed_like((g * ct.astype(g.dtype)).astype(g.dtype), p)
-        return (*jax.tree.map(scale, grads, primals), None, None, None)
+        return (*jax.tree.map(scale, grads, primals), None, None, None, None)
 
     objective.defvjp(fwd, bwd)
     return objective
 
 
-def _forward_only(layout, parts, params, tail_params, x, rest, positions, data):
-    """The same objective by GPipe's forward and the tail on each stage's own
-    micro-batches, one at a time (its mean over all devices equals the loop's)."""
+def _forward_only(layout, parts, params, tail_params, head_params, rest, tokens, positions, data):
+    """The same objective by the head on the stage's own micro-batches, GPipe's forward
+    and the tail on each of them, one at a time (its mean over all devices equals the
+    loop's)."""
+    x = parts.head(head_params, tokens, positions)
     y, stats = pipeline.run(layout, parts.run_group, params, rest, x, positions)
     k = layout.microbatches // layout.stages
     per_micro = lambda a: a.reshape(k, a.shape[0] // k, *a.shape[1:])
@@ -100,38 +105,47 @@ def _forward_only(layout, parts, params, tail_params, x, rest, positions, data):
     return loss.mean() + parts.stats_loss(stats), metrics, stats
 
 
-def _one_f_one_b(layout, parts, bubble, params, tail_params, x, rest, positions, data):
+def _one_f_one_b(
+    layout, parts, bubble, params, tail_params, head_params, rest, tokens, positions, data
+):
     """((objective, metrics, stats), gradients of the objective for (params,
-    tail_params, x)) by the 1F1B tick loop."""
-    run_group, tail, stats_loss = parts
+    tail_params, head_params)) by the 1F1B tick loop."""
+    run_group, tail, stats_loss, head = parts
     stages, m, repeats = layout.stages, layout.microbatches, layout.repeats
     sched = table(layout)
     k = m // stages
     me = jax.lax.axis_index(STAGE)
-    xs = x.reshape(k, x.shape[0] // k, *x.shape[1:])
     per_micro = lambda a: a.reshape(k, a.shape[0] // k, *a.shape[1:])
     gather = lambda a: jax.lax.all_gather(per_micro(a), STAGE, tiled=True)  # [M, mb, ...]
-    data = jax.tree.map(gather, data)
+    item = lambda a, i: jax.lax.dynamic_index_in_dim(a, i, 0, False)
+    every_token, data = gather(tokens), jax.tree.map(gather, data)
     if layout.documents:
         with jax.named_scope(DOCUMENT_POSITIONS):
             every = gather(positions)
     else:
         every = None
-        positions = positions[: xs.shape[1]]
+        positions = positions[: tokens.shape[0] // k]
     held = params if repeats > 1 else jax.tree.map(lambda p: p[None], params)
     scale = stages / m
 
+    def positions_of(i):
+        return positions if every is None else item(every, i)
+
+    def first(hp, i):
+        """Micro-batch i's input to virtual stage 0: its embedding and dense prefix."""
+        return head(hp, item(every_token, i), positions_of(i))
+
     def stage_fn(local, x, i, r):
         here = jax.tree.map(lambda b: pipeline.stage_rows(b, repeats, stages)[r, me], rest)
-        mine = positions if every is None else jax.lax.dynamic_index_in_dim(every, i, 0, False)
-        return run_group(local, here, x, mine)
+        return run_group(local, here, x, positions_of(i))
 
     def repeat_of(r):
         return jax.tree.map(lambda p: jax.lax.dynamic_index_in_dim(p, r, 0, False), held)
 
-    stats_shape = jax.eval_shape(lambda p, x: stage_fn(p, x, 0, 0)[1], repeat_of(0), xs[0])
+    x_shape = jax.eval_shape(first, head_params, 0)
+    stats_shape = jax.eval_shape(lambda p, x: stage_fn(p, x, 0, 0)[1], repeat_of(0), x_shape)
     per_stage = jax.tree.leaves(held)[0].shape[1]
-    like = (xs, jnp.asarray(me), *jax.tree.leaves(held))
+    like = (tokens, jnp.asarray(me), *jax.tree.leaves(held))
     zeros = jax.tree.map(
         lambda s: jnp.zeros((repeats * stages * per_stage, *s.shape[1:]), s.dtype), stats_shape
     )
@@ -143,15 +157,14 @@ def _one_f_one_b(layout, parts, bubble, params, tail_params, x, rest, positions,
         out, pull = jax.vjp(lambda s: scale * stats_loss(varying_like(s, *like)), stats)
         return pull(varying_like(jnp.ones((), out.dtype), out))[0]
 
-    buffer = pipeline.gather_to_first(xs, stages, bubble)
-    inbox = jnp.full((sched.slots, *xs.shape[1:]), bubble, xs.dtype)
-    gbox = jnp.full((sched.gradient_slots, *xs.shape[1:]), bubble, xs.dtype)
-    zeros_x = varying_zeros(xs.shape[1:], xs.dtype, *like)
+    inbox = jnp.full((sched.slots, *x_shape.shape), bubble, x_shape.dtype)
+    gbox = jnp.full((sched.gradient_slots, *x_shape.shape), bubble, x_shape.dtype)
+    zeros_x = varying_zeros(x_shape.shape, x_shape.dtype, *like)
     inbox, gbox = varying_like(inbox, *like), varying_like(gbox, *like)
     g_params = varying_like(jax.tree.map(jnp.zeros_like, held), *like)
     g_tail = varying_like(jax.tree.map(jnp.zeros_like, tail_params), *like)
-    item = lambda a, i: jax.lax.dynamic_index_in_dim(a, i, 0, False)
-    y_shape = jax.eval_shape(lambda p, x: stage_fn(p, x, 0, 0)[0], repeat_of(0), xs[0])
+    g_head = varying_like(jax.tree.map(jnp.zeros_like, head_params), *like)
+    y_shape = jax.eval_shape(lambda p, x: stage_fn(p, x, 0, 0)[0], repeat_of(0), x_shape)
     _, metrics_shape = jax.eval_shape(
         lambda y, d: tail(tail_params, y, jax.tree.map(lambda a: item(a, 0), d)), y_shape, data
     )
@@ -162,18 +175,25 @@ def _one_f_one_b(layout, parts, bubble, params, tail_params, x, rest, positions,
     rows = {name: jnp.asarray(getattr(sched, name)) for name in ROWS}
 
     def tick(carry, row):
-        inbox, gbox, buffer, received, returned, g_params, g_tail, total, sums, loss_sum = carry
+        inbox, gbox, received, returned, g_params, g_tail, g_head, total, sums, loss_sum = carry
         at = {name: row[name][me] for name in ROWS}
         inbox = _put(inbox, at["arrive_slot"], received)
         gbox = _put(gbox, at["gradient_arrive_slot"], returned)
+        # whether stage 0 runs virtual stage 0 this tick (the same on every device)
+        starts = lambda way: ((row[way] != NONE) & (row[f"{way}_slot"] == NONE)).any()
 
         # forward item (and, on the last virtual stage, the loss and its gradient)
         f_on, i, r = at["forward"] != NONE, jnp.maximum(at["forward"], 0), at["forward_repeat"]
         r = jnp.maximum(r, 0)
 
         def forward(total):
-            x_in = _take(inbox, buffer, at["forward_slot"], i)
-            x_in = jnp.where(f_on, x_in, zeros_x)
+            x_in = _kept(inbox, at["forward_slot"])
+            embedded = jax.lax.cond(
+                starts("forward"),
+                lambda: varying_like(first(head_params, i), *like),
+                lambda: zeros_x,
+            )
+            x_in = jnp.where(f_on, jnp.where(at["forward_slot"] == NONE, embedded, x_in), zeros_x)
             y, stats = stage_fn(repeat_of(r), x_in, i, r)
             return pipeline.add_stats(total, stats, (r * stages + me) * per_stage, f_on), y
 
@@ -188,7 +208,7 @@ def _one_f_one_b(layout, parts, bubble, params, tail_params, x, rest, positions,
             run = lambda tp, y: tail(tp, y, mine)
             lm, pull, metrics = jax.vjp(run, tail_params, y, has_aux=True)
             d_tail, dy = pull(varying_like(jnp.where(on_loss, scale, 0.0).astype(lm.dtype), lm))
-            gbox = _put(gbox, jnp.where(on_loss, at["loss_slot"], NONE), dy.astype(xs.dtype))
+            gbox = _put(gbox, jnp.where(on_loss, at["loss_slot"], NONE), dy)
             g_tail = jax.tree.map(jnp.add, g_tail, d_tail)
             add = lambda acc, v: acc + jnp.where(on_loss, v, jnp.zeros_like(v)).astype(acc.dtype)
             sums = jax.tree.map(add, sums, varying_like(metrics, *like))
@@ -198,44 +218,57 @@ def _one_f_one_b(layout, parts, bubble, params, tail_params, x, rest, positions,
             (row["loss"] > 0).any(), loss, lambda a: a, (gbox, g_tail, sums, loss_sum)
         )
 
-        # backward item
+        # backward item (on virtual stage 0 through the head too)
         b_on, j = at["backward"] != NONE, jnp.maximum(at["backward"], 0)
         rb = jnp.maximum(at["backward_repeat"], 0)
+        is_first = b_on & (at["backward_slot"] == NONE)
 
         def backward(args):
-            buffer, g_params = args
-            x_in = jnp.where(b_on, _take(inbox, buffer, at["backward_slot"], j), zeros_x)
-            dy = jax.lax.dynamic_index_in_dim(gbox, at["gradient_slot"], 0, False)
-            dy = jnp.where(b_on, dy, zeros_x)
-            (y, stats), pull = jax.vjp(lambda p, x: stage_fn(p, x, j, rb), repeat_of(rb), x_in)
-            seed = jax.tree.map(partial(_masked, b_on), stats_seed(stats))
-            d_local, dx = pull((varying_like(dy, y), seed))
+            g_params, g_head = args
+            x_in = _kept(inbox, at["backward_slot"])
+            dy = jnp.where(b_on, item(gbox, at["gradient_slot"]), zeros_x)
+
+            def pulled(p, x):
+                (y, stats), pull = jax.vjp(lambda p, x: stage_fn(p, x, j, rb), p, x)
+                seed = jax.tree.map(partial(_masked, b_on), stats_seed(stats))
+                return pull((varying_like(dy, y), seed))
+
+            def through_head(g_head):
+                x, pull_head = jax.vjp(lambda hp: first(hp, j), head_params)
+                x = jnp.where(is_first, x, x_in)
+                d_local, dx = pulled(repeat_of(rb), jnp.where(b_on, x, zeros_x))
+                mask = lambda d: jnp.where(is_first, d, jnp.zeros_like(d))
+                (d_head,) = pull_head(mask(dx).astype(x.dtype))
+                return d_local, dx, jax.tree.map(jnp.add, g_head, d_head)
+
+            def stack_only(g_head):
+                return (*pulled(repeat_of(rb), jnp.where(b_on, x_in, zeros_x)), g_head)
+
+            d_local, dx, g_head = jax.lax.cond(starts("backward"), through_head, stack_only, g_head)
             # a scatter-add, in place (a read-modify-write of the slice copied a repeat)
             g_params = jax.tree.map(lambda acc, d: acc.at[rb].add(d), g_params, d_local)
-            into = jnp.where(b_on & (at["backward_slot"] == NONE), j, NONE)
-            return _put(buffer, into, dx), g_params, dx
+            return g_params, g_head, dx
 
-        buffer, g_params, dx = jax.lax.cond(
+        g_params, g_head, dx = jax.lax.cond(
             (row["backward"] != NONE).any(),
             backward,
             lambda a: (*a, zeros_x),
-            (buffer, g_params),
+            (g_params, g_head),
         )
         with jax.named_scope(STAGE_SEND):
             sent = jax.lax.ppermute(y, STAGE, ring)
             sent_back = jax.lax.ppermute(dx, STAGE, back)
-        carry = (inbox, gbox, buffer, sent, sent_back, g_params, g_tail, total, sums, loss_sum)
+        carry = (inbox, gbox, sent, sent_back, g_params, g_tail, g_head, total, sums, loss_sum)
         return carry, None
 
-    carry = (inbox, gbox, buffer, zeros_x, zeros_x, g_params, g_tail, total, sums, loss_sum)
+    carry = (inbox, gbox, zeros_x, zeros_x, g_params, g_tail, g_head, total, sums, loss_sum)
     carry, _ = jax.lax.scan(tick, carry, rows)
-    _, _, buffer, _, _, g_params, g_tail, total, sums, loss_sum = carry
-    g_x = pipeline.scatter_from_first(buffer, stages, k, me).reshape(x.shape)
+    _, _, _, _, g_params, g_tail, g_head, total, sums, loss_sum = carry
     if repeats == 1:
         g_params = jax.tree.map(lambda g: g[0], g_params)
     stats, metrics = (jax.tree.map(lambda s: jax.lax.psum(s, STAGE) / m, t) for t in (total, sums))
     objective = scale * (loss_sum + stats_loss(total))
-    return (objective, metrics, stats), (g_params, g_tail, g_x)
+    return (objective, metrics, stats), (g_params, g_tail, g_head)
 
 
 def _typed_like(g, primal):
@@ -254,11 +287,9 @@ def _masked(on, g):
     return jnp.where(on, g, jnp.zeros_like(g))
 
 
-def _take(inbox, buffer, slot, i):
-    """A kept input: from the inbox's `slot`, or (NONE: v = 0) micro-batch i's embedded."""
-    kept = jax.lax.dynamic_index_in_dim(inbox, jnp.maximum(slot, 0), 0, False)
-    first = jax.lax.dynamic_index_in_dim(buffer, i, 0, False)
-    return jnp.where(slot == NONE, first, kept)
+def _kept(inbox, slot):
+    """The input kept in the inbox's `slot` (NONE: virtual stage 0's, made by the head)."""
+    return jax.lax.dynamic_index_in_dim(inbox, jnp.maximum(slot, 0), 0, False)
 
 
 def _put(box, slot, value):

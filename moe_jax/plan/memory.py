@@ -447,21 +447,19 @@ def pipeline_activation_bytes(
     pipeline`: GPipe, circular repeats, each tick rematerialised), a = t·h·B the stream
     of one micro-batch on one device:
 
-    * tick_inputs: (M R + S - 1) a, every tick's input, kept for its recompute; under
-      1F1B in_flight, the table's slots (`pipeline_schedule`: bounded by S and R), and
-      targets, the M micro-batches' token ids;
-    * buffer: M a, stage 0's micro-batch buffer (its cotangent in the backward takes
-      the same memory once the forward's is dead);
-    * outside: what the dense prefix (and under GPipe, per micro-batch, the MTP
-      modules) keeps for the K = M / S micro-batches each stage runs outside the
-      pipeline (one batch of K b sequences);
-    * working: the largest transient: one tick's backward (its group's units recomputed
-      under model.remat, then one unit's backward), or the outside part's backward with
-      the head and loss of the K micro-batches (a loss chunk's float32 logits and their
-      gradient); under 1F1B the loop's tail of one micro-batch, or the prefix's backward.
+    * GPipe: tick_inputs, (M R + S - 1) a, every tick's input, kept for its recompute;
+      buffer, M a, stage 0's micro-batches (then their cotangents); outside, what the
+      dense prefix (and, per micro-batch, the MTP modules) keeps for the K = M / S
+      micro-batches each stage runs outside the pipeline (one batch of K b sequences);
+      working, one tick's backward (its group's units recomputed under model.remat,
+      then one unit's backward) or the outside part's backward with the head and loss
+      of the K micro-batches (a loss chunk's float32 logits and their gradient);
+    * 1F1B: in_flight, the table's slots (`pipeline_schedule`: bounded by S and R);
+      token_ids, the M micro-batches' token ids and targets; working, one tick's
+      backward, or the head (embedding, dense prefix) or tail of one micro-batch.
 
-    Per micro-batch of M the device holds (R + 1) a more under GPipe, a under 1F1B
-    (tests/test_pipeline_state.py measures both in XLA's buffer assignment)."""
+    Per micro-batch of M the device holds (R + 1) a more under GPipe, token ids only
+    under 1F1B (tests/test_pipeline_state.py measures both in XLA's buffer assignment)."""
     z = _sizes(config, micro_batch)
     a = z.t * z.h * z.B
     k = micro // stages
@@ -477,16 +475,18 @@ def pipeline_activation_bytes(
         chunks = loss_chunks(config, z.b * config.parallel.data, z.s)
         return _head_bytes(config, z) + z.t * config.model.vocab_size * FP32 // chunks
 
-    if config.parallel.schedule == "1f1b":  # the tail of one micro-batch per tick
+    if config.parallel.schedule == "1f1b":  # head and tail of one micro-batch per tick
         table = one_f_one_b(stages, micro, repeats)
-        held = {"in_flight": (table.slots + table.gradient_slots) * a, "targets": micro * z.t * 4}
-        working = max(kept_g + working_g, kept_m + working_m + head(z) + tables, working_o)
-    else:
-        held = {"tick_inputs": (micro * repeats + stages - 1) * a}
-        kept_o, working_o = kept_o + k * kept_m, max(working_o, working_m)
-        outer = _sizes(config, k * micro_batch)
-        working = max(kept_g + working_g, working_o + head(outer) + tables)
-    return {**held, "buffer": micro * a, "outside": kept_o, "working": working}
+        kept_p, working_p = stage_activation_bytes(config, outside, False, micro_batch)
+        working = max(kept_g + working_g, kept_m + working_m + head(z) + tables, kept_p + working_p)
+        # the M micro-batches' token ids, targets, MTP tokens, targets and weights
+        ids = (2 + 3 * config.model.mtp_depth) * micro * z.t * 4
+        in_flight = (table.slots + table.gradient_slots) * a
+        return {"in_flight": in_flight, "token_ids": ids, "working": working}
+    kept_o, working_o = kept_o + k * kept_m, max(working_o, working_m)
+    working = max(kept_g + working_g, working_o + head(_sizes(config, k * micro_batch)) + tables)
+    ticks = (micro * repeats + stages - 1) * a
+    return {"tick_inputs": ticks, "buffer": micro * a, "outside": kept_o, "working": working}
 
 
 def _pipeline_memory(config: Config, stages: int, micro_batch: int | None) -> Memory:

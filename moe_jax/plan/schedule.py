@@ -172,24 +172,25 @@ class Schedules:
         pipeline, the sends of those to stage 0 and back (forward and backward), one
         exposed gradient sum and the optimizer. Under 1F1B (`parallel.schedule`) the
         same ticks (`pipeline_schedule`: forward and backward work each in M R + S - 1),
-        but the last stage runs the head of all M micro-batches inside the loop while
-        the others wait, and the embedded inputs travel to stage 0 and their gradients
-        back once (the loop computes the gradients in the step's forward)."""
+        but stage 0 runs the embedding and dense prefix and the last stage the head of
+        all M micro-batches inside the loop while the others wait, and only token ids
+        travel between stages outside the loop."""
         p = self.plan.parallel
         (tick, outside, sync), k = self._shared(), self.micro_batches // p.stages
         one_f_one_b = p.schedule == "1f1b"
         total = Tally()
         total.add(tick, self.micro_batches * p.repeats)
-        total.add(outside, k)
-        if one_f_one_b:  # the other stages' micro-batches' heads, on the last stage
-            total.add(self.head(), self.micro_batches - k)
+        # 1F1B: stage 0's embedding and dense prefix and the last stage's head of all
+        # M micro-batches in the loop (the other stages wait); GPipe: K on each stage
+        total.add(outside, self.micro_batches if one_f_one_b else k)
         breakdown = dict(total.compute)
         for key, value in total.exposed.items():
             breakdown[key] = breakdown.get(key, 0.0) + value
         outside = self.outside_params()
-        breakdown["grad_accumulation"] += self.accumulation_s(outside, passes=1)
-        sends = 2 if one_f_one_b else 4
-        breakdown["pipeline_p2p"] += sends * (p.stages - 1) * self.send_s(k * self.t)
+        passes = self.micro_batches if one_f_one_b else 1  # 1F1B: a head and tail a tick
+        breakdown["grad_accumulation"] += passes * self.accumulation_s(outside, passes=passes)
+        if not one_f_one_b:  # the embedded micro-batches to stage 0, the outputs back
+            breakdown["pipeline_p2p"] += 4 * (p.stages - 1) * self.send_s(k * self.t)
         breakdown["bubble"] = (p.stages - 1) * tick.seconds
         breakdown["grad_sync"] = sync
         breakdown["optimizer"] = self.optimizer_s(p.repeats * self.group_params() + outside)
