@@ -153,6 +153,8 @@ class TrainConfig:
     min_lr_ratio: float = 0.1  # final learning rate / peak
     wsd_decay_fraction: float = 0.1  # schedule=wsd: the last fraction of steps that decay
     warmup_steps: int = 20
+    optimizer: str = "adamw"  # or muon: Muon for the hidden matrices (moe_jax.optimizer)
+    muon_momentum: float = 0.95  # optimizer=muon: the matrices' Nesterov momentum
     weight_decay: float = 0.1
     decay_norms: bool = False  # apply weight decay to norm scales
     decay_embeddings: bool = True  # apply weight decay to the embedding table
@@ -439,12 +441,6 @@ def validate(config: Config) -> None:
     )
     _check(t.schedule in SCHEDULES, "train.schedule", t.schedule, f"valid: {SCHEDULES}")
     _check(0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio", t.min_lr_ratio, "must be in [0, 1]")
-    _check(
-        0 < t.wsd_decay_fraction <= 1,
-        "train.wsd_decay_fraction",
-        t.wsd_decay_fraction,
-        "must be in (0, 1]",
-    )
     _check(t.wandb in WANDB, "train.wandb", t.wandb, f"valid: {WANDB}")
     _check(t.upcycle in UPCYCLE, "train.upcycle", t.upcycle, f"valid: {UPCYCLE}")
     _check(
@@ -469,8 +465,7 @@ def validate(config: Config) -> None:
         f"must be 0 (automatic) or divide train.seq_len={t.seq_len}",
     )
     config_rules.validate_mtp(config)
-    for name in ("b1", "b2"):
-        _check(0 <= getattr(t, name) < 1, f"train.{name}", getattr(t, name), "must be in [0, 1)")
+    config_rules.validate_optimizer(config)
 
     d = config.data
     _check(d.source in DATA_SOURCES, "data.source", d.source, f"valid: {DATA_SOURCES}")

@@ -113,7 +113,16 @@ MEANINGS: dict[str, str] = {
     "linearly to the floor",
     "train.min_lr_ratio": "final learning rate / peak",
     "train.warmup_steps": "steps of linear warmup from 0 to the peak",
-    "train.weight_decay": "AdamW weight decay (matrices; norms and embeddings as set below)",
+    "train.optimizer": (
+        "`adamw`, or `muon`: Muon (momentum orthogonalised by 5 Newton-Schulz steps, "
+        "scaled to AdamW's RMS) for the hidden matrices, each expert's and each layer's on "
+        "its own, AdamW for the embedding, head, routers, norms and biases"
+    ),
+    "train.muon_momentum": "optimizer=muon: the matrices' Nesterov momentum",
+    "train.weight_decay": (
+        "decoupled weight decay (matrices; norms and embeddings as set below; under "
+        "`muon` every hidden matrix)"
+    ),
     "train.decay_norms": "apply weight decay to norm scales",
     "train.decay_embeddings": "apply weight decay to the embedding table",
     "train.b1": "AdamW first-moment decay",

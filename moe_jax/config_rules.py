@@ -179,6 +179,26 @@ def validate_mtp(config: Config) -> None:
     check(t.mtp_loss_weight >= 0, "train.mtp_loss_weight", t.mtp_loss_weight, "must be >= 0")
 
 
+def validate_optimizer(config: Config) -> None:
+    """`train.optimizer`, and the ranges of the optimizer's and its schedule's settings
+    (`moe_jax.optimizer`)."""
+    t = config.train
+    check(
+        t.optimizer in names.OPTIMIZERS,
+        "train.optimizer",
+        t.optimizer,
+        f"valid: {names.OPTIMIZERS}",
+    )
+    for name in ("b1", "b2", "muon_momentum"):
+        check(0 <= getattr(t, name) < 1, f"train.{name}", getattr(t, name), "must be in [0, 1)")
+    check(
+        0 < t.wsd_decay_fraction <= 1,
+        "train.wsd_decay_fraction",
+        t.wsd_decay_fraction,
+        "must be in (0, 1]",
+    )
+
+
 def validate_documents(config: Config) -> None:
     """A document mask needs an attention implementation that can apply it: this jax's
     cuDNN attention takes no segment ids (`moe_jax.kernels.attention`)."""

@@ -1,4 +1,5 @@
-"""The optimizer: AdamW after global-norm clipping, and its learning-rate schedule.
+"""The optimizer: AdamW, or Muon for the hidden matrices (`train.optimizer`), after
+global-norm clipping, and its learning-rate schedule.
 
 Why a module of its own: the train state holds this optimizer's state, and the
 planner's memory model reads the state's shapes (`moe_jax.train_state`) without
@@ -11,8 +12,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from optax.contrib import MuonDimensionNumbers, scale_by_muon
+from optax.contrib._muon import scale_by_shape
 
 from moe_jax.config import TrainConfig
+
+# The matrices Muon updates, by parameter name: (reduction axes, output axes), counted
+# from the end. Leading axes (the stack's layers, the experts, a pipeline's repeats)
+# are batch axes: each layer's and each expert's matrix is orthogonalised on its own.
+# Any other parameter (embedding table, output head, routers, norms, biases) is
+# AdamW's; tests/test_muon.py checks every parameter of the model families is named.
+_QKV = ((-3,), (-2, -1))  # [..., in, heads, head_dim]
+_LINEAR = ((-2,), (-1,))  # [..., in, out]
+MUON_MATRICES = {
+    **dict.fromkeys(("query", "key", "value", "query_up", "kv_up"), _QKV),
+    "out": ((-3, -2), (-1,)),  # [..., heads, head_dim, embed]
+    **dict.fromkeys(("gate", "up", "down", "query_down", "kv_down", "eh_proj"), _LINEAR),
+}
+# Moonlight's scale (Liu et al. 2025): 0.2 sqrt(max(fan_in, fan_out)) gives the update
+# AdamW's RMS, so that AdamW's learning rate and weight decay carry over.
+MUON_RMS = 0.2
 
 
 def learning_rate(cfg: TrainConfig) -> optax.Schedule:
@@ -88,9 +107,52 @@ def adamw(cfg: TrainConfig, lr: optax.Schedule | None = None) -> optax.GradientT
     )
 
 
+def _name(path) -> str:
+    """A parameter's own name: the last string key of its path."""
+    keys = [p.key for p in path if isinstance(getattr(p, "key", None), str)]
+    return keys[-1] if keys else ""
+
+
+def muon_dimensions(params):
+    """Per parameter its `MuonDimensionNumbers`, or None where AdamW updates it."""
+
+    def dims(path, leaf):
+        axes = MUON_MATRICES.get(_name(path))
+        return None if axes is None or leaf.ndim < 2 else MuonDimensionNumbers(*axes)
+
+    return jax.tree_util.tree_map_with_path(dims, params)
+
+
+def muon(cfg: TrainConfig, lr: optax.Schedule | None = None) -> optax.GradientTransformation:
+    """Muon for the hidden matrices (`MUON_MATRICES`), AdamW (`adamw`) for the rest, at
+    the schedule `learning_rate(cfg)` or `lr`. Built from optax's parts: its
+    `scale_by_muon` (Nesterov momentum `train.muon_momentum`, bias-corrected, then 5
+    Newton-Schulz steps with the quintic coefficients on each matrix, Frobenius
+    normalised first) and `scale_by_shape` (`MUON_RMS`), then decoupled weight decay on
+    every matrix and the learning rate, as AdamW's."""
+    rate = learning_rate(cfg) if lr is None else lr
+    matrices = optax.chain(
+        scale_by_muon(beta=cfg.muon_momentum, weight_dimension_numbers=muon_dimensions),
+        scale_by_shape(weight_dimension_numbers=muon_dimensions, consistent_rms=MUON_RMS),
+        optax.add_decayed_weights(cfg.weight_decay),
+        optax.scale_by_learning_rate(rate),
+    )
+    labels = lambda params: jax.tree.map(
+        lambda d: "adamw" if d is None else "muon",
+        muon_dimensions(params),
+        is_leaf=lambda x: x is None or isinstance(x, MuonDimensionNumbers),
+    )
+    return optax.partition({"muon": matrices, "adamw": adamw(cfg, rate)}, labels)
+
+
+def update_rule(cfg: TrainConfig, lr: optax.Schedule | None = None):
+    """`train.optimizer`'s transformation (without the clipping)."""
+    return muon(cfg, lr) if cfg.optimizer == "muon" else adamw(cfg, lr)
+
+
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    """AdamW after global-norm clipping: the optimizer whose state checkpoints hold
-    (`apply_gradients` runs its two parts itself)."""
+    """`update_rule` after global-norm clipping: the optimizer whose state checkpoints
+    hold (`apply_gradients` runs its two parts itself)."""
     if cfg.grad_clip > 0:
-        return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw(cfg))
-    return adamw(cfg)
+        return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), update_rule(cfg))
+    return update_rule(cfg)

@@ -241,8 +241,8 @@ def train_step(graphdef, config: Config, state: TrainState, batch, lr):
 
 
 def apply_gradients(config: Config, state: TrainState, metrics: dict, grads, lr):
-    """The clipped AdamW and router-bias updates of one step (`make_optimizer`'s, at the
-    learning rate `lr`), from its gradients and metrics.
+    """The clipped optimizer and router-bias updates of one step (`make_optimizer`'s, at
+    the learning rate `lr`), from its gradients and metrics.
 
     Written for XLA to update the donated state in place: the gradients are clipped
     before the update, in their own buffers (optax's clip inside the update would write
@@ -256,12 +256,12 @@ def apply_gradients(config: Config, state: TrainState, metrics: dict, grads, lr)
     if cfg.grad_clip > 0:  # optax.clip_by_global_norm's rule
         scale = jnp.minimum(1.0, cfg.grad_clip / grad_norm)
         grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
-    adamw, rate = optimizer.adamw(cfg, lambda count: lr), config.moe.bias_update_rate
-    clipped = cfg.grad_clip > 0  # chain(clip, adamw): the clip's state is empty
+    rule, rate = optimizer.update_rule(cfg, lambda count: lr), config.moe.bias_update_rate
+    clipped = cfg.grad_clip > 0  # chain(clip, rule): the clip's state is empty
 
     def stepped(params, opt_state):
-        updates, adam = adamw.update(grads, opt_state[1] if clipped else opt_state, params)
-        return optax.apply_updates(params, updates), (opt_state[0], adam) if clipped else adam
+        updates, inner = rule.update(grads, opt_state[1] if clipped else opt_state, params)
+        return optax.apply_updates(params, updates), (opt_state[0], inner) if clipped else inner
 
     # The update may overflow where the loss and gradients did not (a huge learning rate
     # or weight decay): the new parameters are checked before the state is touched. Only

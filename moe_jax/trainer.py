@@ -117,6 +117,9 @@ FIXED_ON_RESUME = (
 )
 
 
+OPTIMIZER = "train.optimizer"  # a checkpoint from before the setting: AdamW's state
+
+
 def _resume_changes(ours: dict, saved: dict, step: int, directory: Path) -> list[str]:
     """Lines naming the settings that differ from the checkpoint's; one ValueError naming
     every setting that cannot change (the model's, and from step 1 on those the data
@@ -128,6 +131,7 @@ def _resume_changes(ours: dict, saved: dict, step: int, directory: Path) -> list
     model = checkpoint.architecture(ours)
     defaults = checkpoint.architecture(config_lib.to_config_dict(config_lib.Config()))
     model_saved = {**defaults, **checkpoint.architecture(saved)}
+    optimizers = (OPTIMIZER, ours_flat[OPTIMIZER], saved_flat.get(OPTIMIZER, "adamw"))
     refused = {
         "another model": [
             (k, model.get(k), model_saved.get(k))
@@ -137,6 +141,9 @@ def _resume_changes(ours: dict, saved: dict, step: int, directory: Path) -> list
         "the data position cannot carry over": [
             (k, ours_flat[k], saved_flat[k]) for k in changed if step and k in FIXED_ON_RESUME
         ],
+        "the optimizer's state cannot carry over": [optimizers]
+        if optimizers[1] != optimizers[2]
+        else [],
     }
     groups = [
         ", ".join(f"{k}={here!r} here but {there!r} there" for k, here, there in found)

@@ -119,6 +119,8 @@ def _shardings(state, layout: Layout, over_data: bool, master: bool = False):
     def spec(leaf):
         if not isinstance(leaf, nnx.Variable):
             return NamedSharding(layout.mesh, P())
+        if not hasattr(leaf.get_value(), "shape"):  # an optimizer's masked-out part (no array)
+            return leaf
         names = leaf.get_metadata().get("out_sharding") or ()
         shape = leaf.get_value().shape
         axes = P(*placement(layout, names, shape, data, over_data))

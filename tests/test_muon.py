@@ -1,0 +1,192 @@
+"""Muon (`train.optimizer=muon`, `moe_jax.optimizer.muon`): one matrix's update against a
+written-out float64 reference, an expert weight [E, d, f] as E separate matrices, every
+parameter of the model families deliberately Muon's or AdamW's, and the train step under
+sharded layouts equal to one device."""
+
+from __future__ import annotations
+
+import dataclasses
+import runpy
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from moe_jax import config as config_lib
+from moe_jax.optimizer import MUON_MATRICES, MUON_RMS, muon, muon_dimensions
+from moe_jax.parallel import pipeline
+from moe_jax.train_state import build_model
+from tests.layouts import assert_trees_close, planned, reference, with_plan
+from tests.pipelined import MODEL, one_device, pipelined
+
+A, B, C = 3.4445, -4.775, 2.0315  # the quintic Newton-Schulz coefficients
+BETA, LR, DECAY = 0.95, 0.5, 0.1
+# Logical axes that stack matrices: layers, experts, a pipeline's repeats and layers.
+BATCH_AXES = {"layers", "experts", "repeats", "stage_layers"}
+# Every other parameter name, each AdamW's on purpose.
+ADAMW_NAMES = {"table", "head", "router", "scale"}
+
+
+def _train_config(**train) -> config_lib.TrainConfig:
+    base = config_lib.TrainConfig()
+    settings = dict(optimizer="muon", muon_momentum=BETA, weight_decay=DECAY, **train)
+    return dataclasses.replace(base, **settings)
+
+
+def _newton_schulz(g: np.ndarray) -> np.ndarray:
+    """Five quintic steps on the Frobenius-normalised matrix (wide side last), float64."""
+    x = g.T if g.shape[0] > g.shape[1] else g
+    x = x / (np.linalg.norm(x) + 1e-8)
+    for _ in range(5):
+        a = x @ x.T
+        x = A * x + (B * a + C * a @ a) @ x
+    return x.T if g.shape[0] > g.shape[1] else x
+
+
+def _reference_updates(w: np.ndarray, grads: list[np.ndarray]) -> list[np.ndarray]:
+    """Muon's updates for weight `w` under successive gradients, float64: Nesterov
+    momentum as optax writes it (an exponential average, bias-corrected), Newton-Schulz,
+    Moonlight's 0.2 sqrt(max(fan_in, fan_out)), decoupled weight decay, the rate."""
+    mu, out = np.zeros_like(w), []
+    for t, g in enumerate(grads, start=1):
+        mu = BETA * mu + (1 - BETA) * g
+        nesterov = BETA * mu / (1 - BETA ** (t + 1)) + (1 - BETA) * g / (1 - BETA**t)
+        step = _newton_schulz(nesterov) * MUON_RMS * np.sqrt(max(w.shape))
+        update = -LR * (step + DECAY * w)
+        out.append(update)
+        w = w + update
+    return out
+
+
+def _run(params: dict, grads: list[dict]) -> list[dict]:
+    """The updates `muon` makes for `params` under successive `grads`, at rate LR."""
+    rule = muon(_train_config(), lambda count: LR)
+    state, out = rule.init(params), []
+    for g in grads:
+        update, state = rule.update(g, state, params)
+        params = optax.apply_updates(params, update)
+        out.append(update)
+    return out
+
+
+def test_one_matrix_update_equals_a_float64_reference():
+    """A [24, 40] matrix (neither square nor symmetric in shape) over three steps, within
+    1e-5 of the float64 reference; a norm scale beside it goes to AdamW, untouched by
+    Newton-Schulz."""
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(24, 40)) / 5
+    grads = [rng.normal(size=w.shape) for _ in range(3)]
+    scale = np.ones(40)
+    params = {"gate": jnp.asarray(w, jnp.float32), "scale": jnp.asarray(scale, jnp.float32)}
+    got = _run(
+        params, [{"gate": jnp.asarray(g, jnp.float32), "scale": jnp.ones(40)} for g in grads]
+    )
+    for mine, want in zip(got, _reference_updates(w, grads), strict=True):
+        np.testing.assert_allclose(np.asarray(mine["gate"], np.float64), want, rtol=1e-5, atol=1e-6)
+    adam = optax.adamw(
+        LR, 0.9, 0.95, weight_decay=DECAY, mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)
+    )
+    first, _ = adam.update(
+        {"scale": jnp.ones(40)}, adam.init({"scale": params["scale"]}), {"scale": params["scale"]}
+    )
+    np.testing.assert_allclose(got[0]["scale"], first["scale"], rtol=1e-6)
+
+
+def test_an_expert_weight_is_its_experts_matrices():
+    """[layers, E, d, f] is layers x E matrices, each orthogonalised on its own: the
+    update of the stacked weight equals the stacked updates of the separate matrices."""
+    rng = np.random.default_rng(1)
+    w = jnp.asarray(rng.normal(size=(2, 3, 16, 24)) / 4, jnp.float32)
+    grads = [jnp.asarray(rng.normal(size=w.shape), jnp.float32) for _ in range(2)]
+    stacked = _run({"up": w}, [{"up": g} for g in grads])
+    for layer in range(2):
+        for expert in range(3):
+            one = _run({"up": w[layer, expert]}, [{"up": g[layer, expert]} for g in grads])
+            for mine, alone in zip(stacked, one, strict=True):
+                np.testing.assert_allclose(mine["up"][layer, expert], alone["up"], 1e-5, 1e-6)
+
+
+def _parameters(path: str, **model):
+    cfg = config_lib.load(runpy.run_path(path)["get_config"]())
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **model))
+    moe = dataclasses.replace(cfg.moe, num_shared_experts=1, shared_mlp_dim=16)
+    abstract = nnx.eval_shape(lambda: build_model(dataclasses.replace(cfg, moe=moe)))
+    return nnx.state(abstract, nnx.Param)
+
+
+@pytest.mark.parametrize(
+    "path,model", [("configs/mixtral_tiny.py", {}), ("configs/mla_tiny.py", {"mtp_depth": 1})]
+)
+def test_every_parameter_is_muons_or_adamws_by_its_axes(path, model):
+    """Each parameter name is listed as a Muon matrix or as AdamW's, and a Muon matrix's
+    batch axes (all but the reduction and output axes) are exactly its stacking axes."""
+    params = _parameters(path, **model)
+    dims = muon_dimensions(params)
+    is_leaf = lambda x: isinstance(x, nnx.Variable)
+    found = set()
+    for (where, var), d in zip(
+        jax.tree_util.tree_leaves_with_path(params, is_leaf=is_leaf),
+        jax.tree.leaves(dims, is_leaf=lambda x: x is None or hasattr(x, "reduction_axis")),
+        strict=True,
+    ):
+        name = where[-1].key
+        names = var.get_metadata()["out_sharding"]
+        found.add(name)
+        if d is None:
+            assert name in ADAMW_NAMES, (name, names)
+            continue
+        matrix = {i % len(names) for i in (*d.reduction_axis, *d.output_axis)}
+        batch = {names[i] for i in range(len(names)) if i not in matrix}
+        assert batch <= BATCH_AXES and not {names[i] for i in matrix} & BATCH_AXES, (name, names)
+    assert found <= set(MUON_MATRICES) | ADAMW_NAMES
+    assert {"query", "out", "gate", "down", "router", "table", "head"} <= found or {
+        "kv_up",
+        "eh_proj",
+    } <= found
+
+
+# The pipeline tests' model (a dense first layer, four MoE layers, aux losses and
+# router biases) under Muon, 2 micro-batches accumulated: the one-device reference.
+BASE = dataclasses.replace(
+    one_device(2),
+    train=dataclasses.replace(one_device(2).train, optimizer="muon", weight_decay=DECAY),
+)
+LAYOUTS = {
+    "tp+etp": with_plan("tp", 2, 4, "etp", base=BASE),
+    "fsdp+ep_ag,expert_fsdp": dataclasses.replace(
+        with_plan("fsdp", 2, 4, "ep_ag", base=BASE),
+        parallel=dataclasses.replace(
+            with_plan("fsdp", 2, 4, "ep_ag", base=BASE).parallel, expert_fsdp=True
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_layout_equals_one_device(name):
+    """Loss, every gradient and the parameters after three Muon steps within 1e-5 of one
+    device: a matrix split over devices is updated as the whole matrix (the update runs
+    on the global arrays; XLA gathers what Newton-Schulz multiplies)."""
+    run, ref = planned(LAYOUTS[name]), reference(BASE)
+    np.testing.assert_allclose(run.metrics["loss"], ref.metrics["loss"], rtol=1e-5)
+    assert_trees_close(run.grads, ref.grads, rtol=1e-5)
+    assert_trees_close(jax.device_get(run.state.params), jax.device_get(ref.state.params), 1e-5)
+
+
+def test_two_stage_pipeline_equals_one_device():
+    """2 stages under 1F1B, 2 micro-batches: the stacked weights held as the pipeline
+    holds them are still each layer's own matrices (their leading axes are batch axes)."""
+    plan = dataclasses.replace(pipelined(2, 1, 4, 2).parallel, schedule="1f1b")
+    train = dataclasses.replace(BASE.train, grad_accum=1)
+    run = planned(dataclasses.replace(BASE, train=train, parallel=plan))
+    ref = reference(BASE)
+    np.testing.assert_allclose(run.metrics["loss"], ref.metrics["loss"], rtol=1e-5)
+    assert_trees_close(pipeline.canonical(run.grads), ref.grads, rtol=1e-5)
+    after = jax.device_get(pipeline.canonical(run.state.params))
+    assert_trees_close(after, jax.device_get(ref.state.params), 1e-5)
+
+
+assert MODEL.train.optimizer == "adamw"  # the other tests' reference stays AdamW's
