@@ -40,8 +40,8 @@ class StateArray:
 
 
 @functools.cache
-def _state_arrays(model: ModelConfig, moe: MoEConfig, clipped: bool) -> tuple:
-    train = TrainConfig(grad_clip=1.0 if clipped else 0.0)  # all that shapes the state
+def _state_arrays(model: ModelConfig, moe: MoEConfig, clipped: bool, optimizer: str) -> tuple:
+    train = TrainConfig(grad_clip=1.0 if clipped else 0.0, optimizer=optimizer)  # the shapes
     _, state = jax.eval_shape(lambda: init_state(Config(model=model, moe=moe, train=train)))
     arrays = []
     leaves = jax.tree_util.tree_leaves_with_path(
@@ -51,6 +51,8 @@ def _state_arrays(model: ModelConfig, moe: MoEConfig, clipped: bool) -> tuple:
         keys = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", "")))) for k in path]
         variable = isinstance(leaf, nnx.Variable)
         value = leaf.get_value() if variable else leaf
+        if not hasattr(value, "shape"):  # an optimizer's masked-out part (no array)
+            continue
         names = tuple(leaf.get_metadata().get("out_sharding") or ()) if variable else ()
         arrays.append(
             StateArray(
@@ -69,7 +71,8 @@ def _state_arrays(model: ModelConfig, moe: MoEConfig, clipped: bool) -> tuple:
 
 def state_arrays(config: Config) -> tuple[StateArray, ...]:
     """Every array of the `TrainState` of `config` (shapes only; nothing is allocated)."""
-    return _state_arrays(config.model, config.moe, config.train.grad_clip > 0)
+    t = config.train
+    return _state_arrays(config.model, config.moe, t.grad_clip > 0, t.optimizer)
 
 
 mesh_sizes = registry.mesh_sizes
