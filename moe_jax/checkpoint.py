@@ -139,12 +139,14 @@ class Checkpointer:
                 continue
         return None
 
-    def restore_newest(self, like, say) -> tuple[int, Any, dict] | None:
+    def restore_newest(self, like, say, own: bool = True) -> tuple[int, Any, dict] | None:
         """(step, state, data_state) of the newest checkpoint that restores whole, or None.
 
         A damaged checkpoint (a truncated or missing file, garbled metadata) is reported
         in one line through `say`, naming it and the file where known, and moved aside to
-        `<workdir>/checkpoints-damaged/`, never deleted; the next older one is tried."""
+        `<workdir>/checkpoints-damaged/`, never deleted; the next older one is tried.
+        Another run's checkpoints (`own=False`: `train.init_from` reads them) are only
+        reported, never moved."""
         for step in self.steps():
             where = self.directory / str(step)
             item = "config"
@@ -155,11 +157,11 @@ class Checkpointer:
                 return step, state, data_state
             except Exception as error:  # what orbax and tensorstore raise varies by damage
                 gc.collect()  # the reads orbax abandoned go now, not at interpreter exit
-                moved = self._move_aside(step)
-                say(
-                    f"checkpoint {where} is damaged ({_damaged_file(error, where / item)}); "
-                    f"moved to {moved}, resuming from the one before"
-                )
+                why = f"checkpoint {where} is damaged ({_damaged_file(error, where / item)})"
+                if not own:
+                    say(f"{why}; left where it is, reading the one before")
+                    continue
+                say(f"{why}; moved to {self._move_aside(step)}, resuming from the one before")
         return None
 
     @property

@@ -122,8 +122,12 @@ def _source_params(config: config_lib.Config, layout, say):
     pipeline (`_unpipelined`)."""
     kind, source, family = _source(Path(config.train.init_from))
     plan = config if config.train.upcycle == "none" else _unpipelined(config)
+    # the state as the source saved it: its optimizer's (and its clipping's) structure
+    shaped = {k: getattr(source.train, k) for k in ("optimizer", "grad_clip")}
+    train = dataclasses.replace(plan.train, **shaped)
     theirs = check_plan(
-        dataclasses.replace(plan, model=source.model, moe=source.moe), jax.device_count()
+        dataclasses.replace(plan, model=source.model, moe=source.moe, train=train),
+        jax.device_count(),
     )
     devices = layout.mesh.devices.reshape(-1)
     their_layout = mesh_lib.make_layout(theirs, mesh_lib.make_mesh(theirs, devices))
@@ -136,7 +140,7 @@ def _source_params(config: config_lib.Config, layout, say):
         return load_params(path, family, theirs, wanted, places)
     checkpoints = Checkpointer(path / "checkpoints", theirs.train.keep_checkpoints)
     try:
-        found = checkpoints.restore_newest(with_shardings(abstract, shardings), say)
+        found = checkpoints.restore_newest(with_shardings(abstract, shardings), say, own=False)
     finally:
         checkpoints.close()
     if found is None:

@@ -118,16 +118,18 @@ def _train(workdir, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_init_from_and_upcycle_from_the_command_line(tmp_path):
-    """A dense run; a new run from its weights (step 1's learning rate is 0 in the
-    warmup, so its step-1 weights are the source's exactly, with a fresh optimizer);
-    an MoE run upcycled from it trains."""
+    """A dense run (AdamW); a new run from its weights under Muon (step 1's learning
+    rate is 0 in the warmup, so its step-1 weights are the source's exactly, with a
+    fresh optimizer of its own; the source's checkpoints are read as the source saved
+    them and left as they are); an MoE run upcycled from it trains."""
     dense = ["--config.model.first_k_dense=2", "--config.train.steps=2"]
     done = _train(tmp_path / "dense", *dense)
     assert done.returncode == 0, done.stderr[-3000:]
     tuned = _train(
-        tmp_path / "tuned", *dense, "--config.train.steps=1",
+        tmp_path / "tuned", *dense, "--config.train.steps=1", "--config.train.optimizer=muon",
         f"--config.train.init_from={tmp_path / 'dense'}",
     )  # fmt: skip
+    assert not (tmp_path / "dense" / "checkpoints-damaged").exists(), tuned.stdout
     assert tuned.returncode == 0, tuned.stderr[-3000:]
     assert (
         f"initialised from {tmp_path / 'dense'}, at step 0 with a fresh optimizer" in tuned.stdout
