@@ -90,7 +90,6 @@ def loss_fn(params, biases, graphdef, batch, config: Config, mtp: bool = True):
     if mtp_load is not None:
         metrics["mtp_load"] = mtp_load
     if stats is not None:
-        moe = config.moe
         metrics.update(
             aux_loss=stats.aux_loss.sum(),
             seq_aux_loss=stats.seq_aux_loss.sum(),
@@ -98,12 +97,7 @@ def loss_fn(params, biases, graphdef, batch, config: Config, mtp: bool = True):
             load=stats.load,
             dropped_fraction=stats.dropped_fraction.mean(),
         )
-        loss = (
-            loss
-            + moe.aux_loss_coef * metrics["aux_loss"]
-            + moe.seq_aux_loss_coef * metrics["seq_aux_loss"]
-            + moe.z_loss_coef * metrics["z_loss"]
-        )
+        loss = loss + stats.loss(config.moe)
     metrics["loss"] = loss
     if objective is not None:  # the same value; the gradient comes by the objective
         loss = objective + jax.lax.stop_gradient(loss - objective)

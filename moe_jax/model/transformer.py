@@ -260,14 +260,7 @@ class Transformer(nnx.Module):
             total += sum(stats_loss(s) for s in mtp_stats if s is not None)
             return total, {"lm_loss": lm, "mtp_loss": mtp_loss, "mtp_stats": mtp_stats}
 
-        moe = self.moe_cfg
-
-        def stats_loss(stats: MoEStats) -> jax.Array:
-            return (
-                moe.aux_loss_coef * stats.aux_loss.sum()
-                + moe.seq_aux_loss_coef * stats.seq_aux_loss.sum()
-                + moe.z_loss_coef * stats.z_loss.sum()
-            )
+        stats_loss = lambda stats: stats.loss(self.moe_cfg)
 
         def head(head_params, tokens, positions):
             embed, dense = head_params

@@ -44,6 +44,15 @@ class MoEStats:
         """Load of the busiest expert over the mean load (1.0 = perfectly balanced)."""
         return self.load.max(-1) / jnp.maximum(self.load.mean(-1), 1e-9)
 
+    def loss(self, cfg: MoEConfig) -> jax.Array:
+        """The loss's MoE terms: the aux, sequence-aux and z losses summed over the
+        layers, each times its coefficient (linear in the statistics)."""
+        return (
+            cfg.aux_loss_coef * self.aux_loss.sum()
+            + cfg.seq_aux_loss_coef * self.seq_aux_loss.sum()
+            + cfg.z_loss_coef * self.z_loss.sum()
+        )
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
