@@ -9,12 +9,10 @@ step at one stage, and the 1F1B of the paper's systems (`PAPER_PIPELINE`) at mor
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from moe_jax.model.mtp import is_moe
 from moe_jax.plan.op_costs import Tally, collective_time
-
-# The last pipelined plan's shared costs (`Schedules._shared`), for its other schedule.
-_LAST: list = [None, None]
 
 
 def bubble_fraction(stages: int, micro_batches: int, repeats: int = 1) -> float:
@@ -160,11 +158,8 @@ class Schedules:
         """(tick, outside, gradient sum seconds): what a pipelined plan's two schedules
         share, computed once for the pair (the planner yields them one after the other)."""
         gpipe = dataclasses.replace(self.plan.parallel, schedule="gpipe")
-        key = (self.config, dataclasses.replace(self.plan, parallel=gpipe), self.gpu)
-        key += (self.global_batch, self.eff)
-        if _LAST[0] != key:
-            _LAST[:] = [key, (self.tick(), self.outside(), self.pipeline_sync_s())]
-        return _LAST[1]
+        twin = dataclasses.replace(self.plan, parallel=gpipe)
+        return _shared_costs(type(self), self.config, twin, self.gpu, self.global_batch, self.eff)
 
     def gpipe_step(self) -> tuple[dict[str, float], dict[str, float], float]:
         """(breakdown, hidden, tick seconds) of the trainer's pipelined step: M R ticks of
@@ -195,3 +190,10 @@ class Schedules:
         breakdown["grad_sync"] = sync
         breakdown["optimizer"] = self.optimizer_s(p.repeats * self.group_params() + outside)
         return breakdown, {**total.hidden, "grad_sync": 0.0}, tick.seconds
+
+
+@functools.lru_cache(maxsize=1)
+def _shared_costs(model: type, *args) -> tuple[Tally, Tally, float]:
+    """`Schedules._shared` of the GPipe twin `model(*args)`: the last pair's, kept."""
+    twin = model(*args)
+    return twin.tick(), twin.outside(), twin.pipeline_sync_s()
