@@ -156,6 +156,8 @@ BASE = dataclasses.replace(
 )
 LAYOUTS = {
     "tp+etp": with_plan("tp", 2, 4, "etp", base=BASE),
+    "tp+ep_etp": with_plan("tp", 2, 4, "ep_etp", base=BASE),
+    "sp+ep_a2a,zero=2": with_plan("sp", 2, 4, "ep_a2a", base=BASE, zero=2),
     "fsdp+ep_ag,expert_fsdp": dataclasses.replace(
         with_plan("fsdp", 2, 4, "ep_ag", base=BASE),
         parallel=dataclasses.replace(
