@@ -120,12 +120,12 @@ class Stack(nnx.Module):
             return self.layout.stack(run_group, params, rest, x, positions)
         return run_group(params, rest, x, positions)
 
-    def with_loss(self, tokens, positions, head, head_params, tail, tail_params, data, loss):
-        """`head`, this stack and `tail` inside the layout's pipeline
+    def with_loss(self, tokens, positions, prefix, prefix_params, tail, tail_params, data, loss):
+        """`prefix`, this stack and `tail` inside the layout's pipeline
         (`Layout.stack_loss`; `loss`: the MoE terms): (objective, metrics, stats)."""
         run_group, params, rest = self._split()
-        parts = Parts(run_group, tail, loss, head)
-        args = (params, rest, tokens, positions, head_params, tail_params, data)
+        parts = Parts(run_group, tail, loss, prefix)
+        args = (params, rest, tokens, positions, prefix_params, tail_params, data)
         return self.layout.stack_loss(parts, *args)
 
 
@@ -262,14 +262,14 @@ class Transformer(nnx.Module):
 
         stats_loss = lambda stats: stats.loss(self.moe_cfg)
 
-        def head(head_params, tokens, positions):
-            embed, dense = head_params
+        def prefix(prefix_params, tokens, positions):
+            embed, dense = prefix_params
             x = nnx.merge(graph(self.embed), embed)(tokens, dtype)
             return x if dense is None else nnx.merge(graph(self.dense), dense)(x, positions)[0]
 
-        head_params = (state(self.embed), state(self.dense))
+        prefix_params = (state(self.embed), state(self.dense))
         tail_params = (stored, *map(state, modules))
-        args = (head, head_params, tail, tail_params, data, stats_loss)
+        args = (prefix, prefix_params, tail, tail_params, data, stats_loss)
         return self.moe.with_loss(tokens, given, *args)
 
     def __call__(

@@ -91,13 +91,13 @@ class Parts(NamedTuple):
     `tail(tail_params, y, data) -> (loss, metrics)` on one micro-batch's stack output
     and its part of the data (the loss carries the gradient, the metrics are
     averaged), `stats_loss(stats)`, the loss's MoE terms (linear in the statistics),
-    and `head(head_params, tokens, positions) -> x`, the stack's input (the embedding
-    and dense prefix) of the micro-batches given."""
+    and `prefix(prefix_params, tokens, positions) -> x`, the stack's input (the
+    embedding and the dense layers before the stack) of the micro-batches given."""
 
     run_group: Callable
     tail: Callable
     stats_loss: Callable
-    head: Callable
+    prefix: Callable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,14 +173,14 @@ class Layout:
         return self.pipelined and self.pipeline_loss is not None
 
     def stack_loss(
-        self, parts: Parts, params, biases, tokens, positions, head_params, tail_params, data
+        self, parts: Parts, params, biases, tokens, positions, prefix_params, tail_params, data
     ):
-        """(objective, metrics, stats): `parts.head` on each micro-batch of `tokens`, the
+        """(objective, metrics, stats): `parts.prefix` on each micro-batch of `tokens`, the
         pipelined stack as `stack` runs it, then `parts.tail` on that micro-batch's
         part of `data`, where `loss_in_pipeline`. The objective carries the gradient;
         its mean over devices is the loss; the tail's metrics are their means over the
         micro-batches."""
-        args = (params, biases, tokens, positions, head_params, tail_params, data)
+        args = (params, biases, tokens, positions, prefix_params, tail_params, data)
         return self.pipeline_loss(self, parts, *args)
 
     @staticmethod

@@ -112,7 +112,7 @@ def _run(layout: Layout, run_group, params, rest, x, positions, bubble: float):
         positions = positions[: xs.shape[1]]
     if repeats == 1:  # held as [U / S, ...] per stage: the one repeat's group
         params = jax.tree.map(lambda p: p[None], params)
-    buffer = gather_to_first(xs, stages, bubble)
+    buffer = _gather_to_first(xs, stages, bubble)
 
     def stage_fn(params, rest, x, t):
         i = t - me
@@ -153,7 +153,7 @@ def _run(layout: Layout, run_group, params, rest, x, positions, bubble: float):
         tick, (buffer, received, total), jnp.arange(ticks(layout))
     )
     buffer = _keep_returned(buffer, received, first, m - 1)
-    y = scatter_from_first(buffer, stages, k, me)
+    y = _scatter_from_first(buffer, stages, k, me)
     stats = jax.tree.map(lambda s: jax.lax.psum(s, STAGE) / m, total)
     return y.reshape(x.shape), stats
 
@@ -181,7 +181,7 @@ def _keep_returned(buffer, received, keep, slot):
     return jax.lax.dynamic_update_index_in_dim(buffer, jnp.where(keep, received, old), slot, 0)
 
 
-def gather_to_first(xs: jax.Array, stages: int, bubble: float) -> jax.Array:
+def _gather_to_first(xs: jax.Array, stages: int, bubble: float) -> jax.Array:
     """[M, ...] on stage 0: micro-batch j K + i is stage j's xs[i]."""
     with jax.named_scope(STAGE_SEND):
         parts = [xs] + [jax.lax.ppermute(xs, STAGE, [(j, 0)]) for j in range(1, stages)]
@@ -189,7 +189,7 @@ def gather_to_first(xs: jax.Array, stages: int, bubble: float) -> jax.Array:
     return buffer if bubble == 0 else jnp.where(jax.lax.axis_index(STAGE) == 0, buffer, bubble)
 
 
-def scatter_from_first(buffer: jax.Array, stages: int, k: int, me) -> jax.Array:
+def _scatter_from_first(buffer: jax.Array, stages: int, k: int, me) -> jax.Array:
     """Stage s's K final outputs, micro-batches s K .. (s + 1) K - 1, from stage 0."""
     mine = buffer[:k]
     for j in range(1, stages):

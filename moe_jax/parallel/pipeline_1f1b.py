@@ -5,7 +5,8 @@ any backward tick, so GPipe (`moe_jax.parallel.pipeline`) keeps an input per tic
 M R + S - 1 of them, until the backward starts. 1F1B runs a micro-batch's backward as
 soon as its loss is known, so a stage holds only the items between their forward and
 their backward. Here the backward is therefore written out in the one tick loop: each
-tick a stage runs its forward item (`run_group` on the kept input), on the last virtual
+tick a stage runs its forward item (`run_group` on the kept input; on virtual stage 0
+on the micro-batch's prefix, its embedding and dense layers), on the last virtual
 stage the head and loss of the micro-batch and their gradient, and its backward item
 (`jax.vjp` of `run_group` on the kept input: the forward recomputed, as GPipe's
 backward recomputes each tick, then its gradient), as `moe_jax.parallel.
@@ -16,8 +17,8 @@ so forward work costs M R + S - 1 ticks and backward work as many, as GPipe's.
 
 So the loop computes the gradients during the forward pass of the step. It is wrapped
 as a `jax.custom_vjp` whose forward is the loop and whose backward scales the gradients
-it kept by the loss's cotangent: the rest of the model (embedding, dense prefix) and
-the step's gradient exchange see an ordinary differentiable function. Without a
+it kept by the loss's cotangent: the step's gradient exchange sees an ordinary
+differentiable function of every weight. Without a
 gradient (evaluation) the same objective comes from GPipe's forward, which has no
 backward to interleave.
 
@@ -55,12 +56,12 @@ def run_loss(
     rest,
     tokens: jax.Array,
     positions: jax.Array,
-    head_params,
+    prefix_params,
     tail_params,
     data,
     bubble: float = 0.0,
 ):
-    """(objective, metrics, stats) of the head (embedding and dense prefix), the
+    """(objective, metrics, stats) of the prefix (embedding and dense layers), the
     pipelined stack and the tail, on one device: `params`, `rest`, `positions` as
     `pipeline.run` takes them, `tokens` [K mb, seq] this stage's micro-batches; `data` a
     tree of what the tail reads ([K mb, ...] leaves, as `tokens`). `metrics` (the
@@ -68,7 +69,7 @@ def run_loss(
     and carry no gradient; `objective` is S / M times this device's share of the loss
     (see the module docstring). `bubble` fills the buffers before anything is written
     into them (tests poison them with NaN)."""
-    args = (params, tail_params, head_params, rest, tokens, positions, data)
+    args = (params, tail_params, prefix_params, rest, tokens, positions, data)
     with jax.named_scope(PIPELINE):
         return _objective(layout, parts, bubble)(*args)
 
@@ -91,11 +92,11 @@ def _objective(layout: Layout, parts: Parts, bubble: float):
     return objective
 
 
-def _forward_only(layout, parts, params, tail_params, head_params, rest, tokens, positions, data):
-    """The same objective by the head on the stage's own micro-batches, GPipe's forward
+def _forward_only(layout, parts, params, tail_params, prefix_params, rest, tokens, positions, data):
+    """The same objective by the prefix on the stage's own micro-batches, GPipe's forward
     and the tail on each of them, one at a time (its mean over all devices equals the
     loop's)."""
-    x = parts.head(head_params, tokens, positions)
+    x = parts.prefix(prefix_params, tokens, positions)
     y, stats = pipeline.run(layout, parts.run_group, params, rest, x, positions)
     k = layout.microbatches // layout.stages
     per_micro = lambda a: a.reshape(k, a.shape[0] // k, *a.shape[1:])
@@ -106,11 +107,11 @@ def _forward_only(layout, parts, params, tail_params, head_params, rest, tokens,
 
 
 def _one_f_one_b(
-    layout, parts, bubble, params, tail_params, head_params, rest, tokens, positions, data
+    layout, parts, bubble, params, tail_params, prefix_params, rest, tokens, positions, data
 ):
     """((objective, metrics, stats), gradients of the objective for (params,
-    tail_params, head_params)) by the 1F1B tick loop."""
-    run_group, tail, stats_loss, head = parts
+    tail_params, prefix_params)) by the 1F1B tick loop."""
+    run_group, tail, stats_loss, prefix = parts
     stages, m, repeats = layout.stages, layout.microbatches, layout.repeats
     sched = table(layout)
     k = m // stages
@@ -133,7 +134,7 @@ def _one_f_one_b(
 
     def first(hp, i):
         """Micro-batch i's input to virtual stage 0: its embedding and dense prefix."""
-        return head(hp, item(every_token, i), positions_of(i))
+        return prefix(hp, item(every_token, i), positions_of(i))
 
     def stage_fn(local, x, i, r):
         here = jax.tree.map(lambda b: pipeline.stage_rows(b, repeats, stages)[r, me], rest)
@@ -142,7 +143,7 @@ def _one_f_one_b(
     def repeat_of(r):
         return jax.tree.map(lambda p: jax.lax.dynamic_index_in_dim(p, r, 0, False), held)
 
-    x_shape = jax.eval_shape(first, head_params, 0)
+    x_shape = jax.eval_shape(first, prefix_params, 0)
     stats_shape = jax.eval_shape(lambda p, x: stage_fn(p, x, 0, 0)[1], repeat_of(0), x_shape)
     per_stage = jax.tree.leaves(held)[0].shape[1]
     like = (tokens, jnp.asarray(me), *jax.tree.leaves(held))
@@ -163,7 +164,7 @@ def _one_f_one_b(
     inbox, gbox = varying_like(inbox, *like), varying_like(gbox, *like)
     g_params = varying_like(jax.tree.map(jnp.zeros_like, held), *like)
     g_tail = varying_like(jax.tree.map(jnp.zeros_like, tail_params), *like)
-    g_head = varying_like(jax.tree.map(jnp.zeros_like, head_params), *like)
+    g_prefix = varying_like(jax.tree.map(jnp.zeros_like, prefix_params), *like)
     y_shape = jax.eval_shape(lambda p, x: stage_fn(p, x, 0, 0)[0], repeat_of(0), x_shape)
     _, metrics_shape = jax.eval_shape(
         lambda y, d: tail(tail_params, y, jax.tree.map(lambda a: item(a, 0), d)), y_shape, data
@@ -175,7 +176,7 @@ def _one_f_one_b(
     rows = {name: jnp.asarray(getattr(sched, name)) for name in ROWS}
 
     def tick(carry, row):
-        inbox, gbox, received, returned, g_params, g_tail, g_head, total, sums, loss_sum = carry
+        inbox, gbox, received, returned, g_params, g_tail, g_prefix, total, sums, loss_sum = carry
         at = {name: row[name][me] for name in ROWS}
         inbox = _put(inbox, at["arrive_slot"], received)
         gbox = _put(gbox, at["gradient_arrive_slot"], returned)
@@ -190,7 +191,7 @@ def _one_f_one_b(
             x_in = _kept(inbox, at["forward_slot"])
             embedded = jax.lax.cond(
                 starts("forward"),
-                lambda: varying_like(first(head_params, i), *like),
+                lambda: varying_like(first(prefix_params, i), *like),
                 lambda: zeros_x,
             )
             x_in = jnp.where(f_on, jnp.where(at["forward_slot"] == NONE, embedded, x_in), zeros_x)
@@ -218,13 +219,13 @@ def _one_f_one_b(
             (row["loss"] > 0).any(), loss, lambda a: a, (gbox, g_tail, sums, loss_sum)
         )
 
-        # backward item (on virtual stage 0 through the head too)
+        # backward item (on virtual stage 0 through the prefix too)
         b_on, j = at["backward"] != NONE, jnp.maximum(at["backward"], 0)
         rb = jnp.maximum(at["backward_repeat"], 0)
         is_first = b_on & (at["backward_slot"] == NONE)
 
         def backward(args):
-            g_params, g_head = args
+            g_params, g_prefix = args
             x_in = _kept(inbox, at["backward_slot"])
             dy = jnp.where(b_on, item(gbox, at["gradient_slot"]), zeros_x)
 
@@ -233,42 +234,44 @@ def _one_f_one_b(
                 seed = jax.tree.map(partial(_masked, b_on), stats_seed(stats))
                 return pull((varying_like(dy, y), seed))
 
-            def through_head(g_head):
-                x, pull_head = jax.vjp(lambda hp: first(hp, j), head_params)
+            def through_prefix(g_prefix):
+                x, pull_prefix = jax.vjp(lambda hp: first(hp, j), prefix_params)
                 x = jnp.where(is_first, x, x_in)
                 d_local, dx = pulled(repeat_of(rb), jnp.where(b_on, x, zeros_x))
                 mask = lambda d: jnp.where(is_first, d, jnp.zeros_like(d))
-                (d_head,) = pull_head(mask(dx).astype(x.dtype))
-                return d_local, dx, jax.tree.map(jnp.add, g_head, d_head)
+                (d_prefix,) = pull_prefix(mask(dx).astype(x.dtype))
+                return d_local, dx, jax.tree.map(jnp.add, g_prefix, d_prefix)
 
-            def stack_only(g_head):
-                return (*pulled(repeat_of(rb), jnp.where(b_on, x_in, zeros_x)), g_head)
+            def stack_only(g_prefix):
+                return (*pulled(repeat_of(rb), jnp.where(b_on, x_in, zeros_x)), g_prefix)
 
-            d_local, dx, g_head = jax.lax.cond(starts("backward"), through_head, stack_only, g_head)
+            d_local, dx, g_prefix = jax.lax.cond(
+                starts("backward"), through_prefix, stack_only, g_prefix
+            )
             # a scatter-add, in place (a read-modify-write of the slice copied a repeat)
             g_params = jax.tree.map(lambda acc, d: acc.at[rb].add(d), g_params, d_local)
-            return g_params, g_head, dx
+            return g_params, g_prefix, dx
 
-        g_params, g_head, dx = jax.lax.cond(
+        g_params, g_prefix, dx = jax.lax.cond(
             (row["backward"] != NONE).any(),
             backward,
             lambda a: (*a, zeros_x),
-            (g_params, g_head),
+            (g_params, g_prefix),
         )
         with jax.named_scope(STAGE_SEND):
             sent = jax.lax.ppermute(y, STAGE, ring)
             sent_back = jax.lax.ppermute(dx, STAGE, back)
-        carry = (inbox, gbox, sent, sent_back, g_params, g_tail, g_head, total, sums, loss_sum)
+        carry = (inbox, gbox, sent, sent_back, g_params, g_tail, g_prefix, total, sums, loss_sum)
         return carry, None
 
-    carry = (inbox, gbox, zeros_x, zeros_x, g_params, g_tail, g_head, total, sums, loss_sum)
+    carry = (inbox, gbox, zeros_x, zeros_x, g_params, g_tail, g_prefix, total, sums, loss_sum)
     carry, _ = jax.lax.scan(tick, carry, rows)
-    _, _, _, _, g_params, g_tail, g_head, total, sums, loss_sum = carry
+    _, _, _, _, g_params, g_tail, g_prefix, total, sums, loss_sum = carry
     if repeats == 1:
         g_params = jax.tree.map(lambda g: g[0], g_params)
     stats, metrics = (jax.tree.map(lambda s: jax.lax.psum(s, STAGE) / m, t) for t in (total, sums))
     objective = scale * (loss_sum + stats_loss(total))
-    return (objective, metrics, stats), (g_params, g_tail, g_head)
+    return (objective, metrics, stats), (g_params, g_tail, g_prefix)
 
 
 def _typed_like(g, primal):
@@ -288,7 +291,7 @@ def _masked(on, g):
 
 
 def _kept(inbox, slot):
-    """The input kept in the inbox's `slot` (NONE: virtual stage 0's, made by the head)."""
+    """The input kept in the inbox's `slot` (NONE: virtual stage 0's, made by the prefix)."""
     return jax.lax.dynamic_index_in_dim(inbox, jnp.maximum(slot, 0), 0, False)
 
 

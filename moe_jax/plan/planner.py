@@ -132,7 +132,7 @@ def _repeats(config: Config, pp: int, pipeline: str) -> list[int]:
     return [r for r in cost_model.REPEAT_CHOICES if units % (pp * r) == 0 and units >= pp * r]
 
 
-def _schedules(config: Config, pp: int, pipeline: str) -> tuple[str, ...]:
+def _schedules(pp: int, pipeline: str) -> tuple[str, ...]:
     """parallel.schedule to search: both of the trainer's where it pipelines."""
     if pp == 1 or pipeline == PAPER_PIPELINE:
         return ("gpipe",)
@@ -217,7 +217,7 @@ def plans(
                     repeats=r,
                 )
                 if problem(config, plan, global_batch, gpu) is None:
-                    for schedule in _schedules(config, p, pipeline):  # the same problems
+                    for schedule in _schedules(p, pipeline):  # the same problems
                         parallel = dataclasses.replace(plan.parallel, schedule=schedule)
                         yield dataclasses.replace(plan, parallel=parallel)
 
