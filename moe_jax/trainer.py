@@ -117,7 +117,18 @@ FIXED_ON_RESUME = (
 )
 
 
-OPTIMIZER = "train.optimizer"  # a checkpoint from before the setting: AdamW's state
+def _optimizer_changes(ours: dict, saved: dict) -> list[tuple[str, Any, Any]]:
+    """(setting, here, there) of the settings that shape the optimizer's saved state:
+    `train.optimizer`, and whether `train.grad_clip` clips (its transformation is part of
+    the state's tree). A setting missing from an older checkpoint held its default."""
+    default = config_lib.TrainConfig()
+    shapes = {"optimizer": lambda v: v, "grad_clip": lambda v: v > 0}
+    found = []
+    for key, shape in shapes.items():
+        here, there = ours["train"][key], saved.get("train", {}).get(key, getattr(default, key))
+        if shape(here) != shape(there):
+            found.append((f"train.{key}", here, there))
+    return found
 
 
 def _resume_changes(ours: dict, saved: dict, step: int, directory: Path) -> list[str]:
@@ -131,7 +142,6 @@ def _resume_changes(ours: dict, saved: dict, step: int, directory: Path) -> list
     model = checkpoint.architecture(ours)
     defaults = checkpoint.architecture(config_lib.to_config_dict(config_lib.Config()))
     model_saved = {**defaults, **checkpoint.architecture(saved)}
-    optimizers = (OPTIMIZER, ours_flat[OPTIMIZER], saved_flat.get(OPTIMIZER, "adamw"))
     refused = {
         "another model": [
             (k, model.get(k), model_saved.get(k))
@@ -141,9 +151,7 @@ def _resume_changes(ours: dict, saved: dict, step: int, directory: Path) -> list
         "the data position cannot carry over": [
             (k, ours_flat[k], saved_flat[k]) for k in changed if step and k in FIXED_ON_RESUME
         ],
-        "the optimizer's state cannot carry over": [optimizers]
-        if optimizers[1] != optimizers[2]
-        else [],
+        "the optimizer's state cannot carry over": _optimizer_changes(ours, saved),
     }
     groups = [
         ", ".join(f"{k}={here!r} here but {there!r} there" for k, here, there in found)

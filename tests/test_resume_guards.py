@@ -178,17 +178,21 @@ def test_a_checkpoint_saved_before_a_setting_existed_resumes_at_its_default(tmp_
         trainer._resume_changes(deeper, saved, 2, tmp_path)
 
 
-def test_changing_the_optimizer_is_refused_and_a_checkpoint_from_before_it_was_adamw(
+def test_changing_the_optimizers_state_is_refused_and_a_checkpoint_from_before_it_was_adamw(
     tmp_path, two_step_run
 ):
     """Muon's state (one momentum per matrix) is not AdamW's: resuming under the other
-    optimizer is refused in one line, nothing written; a checkpoint whose config predates
-    `train.optimizer` held AdamW's state."""
+    optimizer, or with clipping switched off, is refused in one line, nothing written; a
+    checkpoint whose config predates `train.optimizer` held AdamW's state."""
     from moe_jax import config as config_lib
 
     run = _ran(tmp_path, two_step_run)
     muon = tiny_config(steps=4, eval_every=0, optimizer="muon")
     _refused(muon, run, "train.optimizer='muon' here but 'adamw' there", "optimizer's state")
+    # clipping is a transformation of the saved state too: switching it off is refused
+    # (it moved the good checkpoint aside as damaged); another threshold is not
+    unclipped = tiny_config(steps=4, eval_every=0, grad_clip=0.0)
+    _refused(unclipped, run, "train.grad_clip=0.0 here but 1.0 there", "optimizer's state")
     ours = dataclasses.asdict(config_lib.Config())
     saved = {**ours, "train": {k: v for k, v in ours["train"].items() if k != "optimizer"}}
     assert trainer._resume_changes(ours, saved, 2, tmp_path) == []
