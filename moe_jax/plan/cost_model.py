@@ -308,16 +308,12 @@ class CostModel(BlockCosts, Schedules, GradSync):
     def _pass(self, ops: list[Op], exchanges: list[Exchange], backward: bool) -> Tally:
         """One pass of a block: operator times, then its exchanges against its GEMMs."""
         compute: dict[str, float] = {}
-        partner = 0.0
+        partner = gemms = 0.0
         for op in ops:
             seconds = self._time(op, backward) * (BACKWARD[op.kind] if backward else 1.0)
             compute[op.name] = compute.get(op.name, 0.0) + seconds
             partner += seconds if op.kind in COMPUTE_KINDS else 0.0
-        gemms = sum(
-            self._time(op, backward) * (BACKWARD[op.kind] if backward else 1.0)
-            for op in ops
-            if op.kind in RING_PARTNERS
-        )
+            gemms += seconds if op.kind in RING_PARTNERS else 0.0
         tally = Tally(compute=compute)
         for x in exchanges:
             comm = x.seconds

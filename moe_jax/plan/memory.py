@@ -3,9 +3,8 @@
 Why: a layout that is fast but does not fit is no plan. The planner ranks
 layouts by time only among those whose `Memory.total` fits the device.
 
-Model state is exact: the arrays of the `TrainState` (traced abstractly, so
-any model change is followed) placed as `train_state_shardings` places them
-(`moe_jax.plan.state_arrays`).
+Model state is exact: the arrays of the `TrainState` (traced abstractly, so any model
+change is followed) placed as `train_state_shardings` places them (`state_arrays`).
 Activations are an analytic count of what the backward pass keeps (see
 `block_activation_bytes`), checked against XLA's buffer assignment in
 tests/test_plan_memory.py.
@@ -14,6 +13,7 @@ tests/test_plan_memory.py.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from moe_jax.config import Config, MoEConfig
 from moe_jax.model.loss import loss_chunks
@@ -167,9 +167,8 @@ def _expert_terms(
         rows = pieces * padded
         levels = max(1, (padded // tile).bit_length())
         indices = rows + pieces * levels * (2 * e_local + 1)
-        # the weights are cast once per piece, but each cast lives only while its piece
-        # runs: one piece's copy at a time (the pieces' gradient accumulators, which do
-        # all live at once, are `piece_gradient_bytes`)
+        # weights are cast once per piece, each cast living only while its piece runs
+        # (the pieces' gradient accumulators, all live at once: `piece_gradient_bytes`)
     else:  # ragged_dot / dense
         rows = indices = pieces * held
     # float32 weights are read as the parameters themselves, unless gathered over 'data'
@@ -357,11 +356,12 @@ def selective_block_bytes(config: Config, moe: bool, micro_batch: int | None = N
     return kept
 
 
+@functools.lru_cache(maxsize=1 << 12)  # a stage's units are mostly alike
 def unit_activation_bytes(
     config: Config, unit: tuple[str, int], micro_batch=None, selective: bool = False
 ) -> int:
-    """Stored activations of one scanned unit: its dense blocks and, for an MoE unit,
-    its MoE block (`selective`: what model.remat='selective' keeps of them)."""
+    """Stored activations of one scanned unit: its dense blocks and, for an MoE unit, its
+    MoE block (`selective`: what model.remat='selective' keeps of them)."""
     kind, layers = unit
     if selective:
         block = lambda moe: selective_block_bytes(config, moe, micro_batch)

@@ -30,6 +30,7 @@ paper's table:
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from moe_jax import config_attention
 from moe_jax.parallel import registry
@@ -118,6 +119,7 @@ def tile_factor(reduction: float, eff: Efficiency) -> float:
     return min(1.0, reduction / (reduction + k0) * (ref + k0) / ref)
 
 
+@functools.lru_cache(maxsize=1 << 16)  # the planner asks for the same shapes per plan
 def gemm_factor(shapes: tuple[Gemm, ...], backward: bool, eff: Efficiency) -> float:
     """FLOP-weighted tile factor of a group of GEMMs. Backward runs each as a data-gradient
     GEMM reducing over its columns and a weight-gradient GEMM reducing over its rows."""

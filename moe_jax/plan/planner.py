@@ -243,7 +243,7 @@ def _layouts(n: int, data: int, attention: tuple[str, ...], experts: tuple[str, 
 
 # Predictions are pure functions of frozen settings: the trainer's `layout=auto` after
 # `python -m moe_jax.plan` in one process (its tests) ranks the same plans once.
-_step_cost = functools.lru_cache(maxsize=1 << 15)(cost_model.step_cost)
+_step_cost = functools.lru_cache(maxsize=1 << 17)(cost_model.step_cost)
 
 
 def fits(memory, gpu: GPU) -> bool:
