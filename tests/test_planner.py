@@ -461,6 +461,7 @@ def test_cli_json_last_line(config: str, gpus: int, batch: int, pp: int, verdict
         "--json",
     )
     assert run.returncode == 0, run.stderr
+    assert run.stderr == ""  # nothing but the table and the JSON line (no jax or absl noise)
     assert verdict in run.stdout  # Mixtral-like wide experts hide; DeepSeekMoE's narrow do not
     result = json.loads(run.stdout.strip().splitlines()[-1])
     for key in ("best", "baseline"):
