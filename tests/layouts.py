@@ -57,7 +57,7 @@ def on_ragged_dot(config: Config) -> Config:
     embeddings and experts, the imported families' features. The kernel changes none
     of those, and XLA:CPU compiles it a third faster than `tiled`'s loop per run of
     tiles (slower to run, at these sizes nothing). The layout matrix, the memory tests
-    and the trainer keep `tiled`, the CPU path."""
+    of a layer's own activations and the trainer keep `tiled`, the CPU path."""
     return dataclasses.replace(config, moe=dataclasses.replace(config.moe, impl="ragged_dot"))
 
 

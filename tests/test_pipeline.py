@@ -50,9 +50,9 @@ def one_device(micro: int):
     return on_ragged_dot(piped.one_device(micro))
 
 
-# (stage, data, intra, repeats) meshes with M = S micro-batches, and also M = 2 S on two
-# of them (one of 2 stages, one of 4); R = 2 on the last.
-MESHES = [((2, 1, 4, 1), (1, 2)), ((2, 2, 2, 1), (1,)), ((4, 2, 1, 1), (1, 2))]
+# (stage, data, intra, repeats) meshes with M = f S micro-batches: M = S and M = 2 S on 2
+# and on 4 stages, R = 2 on the last; the tp+etp cases take the other meshes' M.
+MESHES = [((2, 1, 4, 1), (2,)), ((2, 2, 2, 1), (1,)), ((4, 2, 1, 1), (2,))]
 MESHES += [((2, 1, 4, 2), (1,))]
 CASES = [(*mesh, mesh[0] * f, "sp", "ep_a2a") for mesh, factors in MESHES for f in factors]
 CASES += [(2, 2, 2, 1, 4, "tp", "etp"), (2, 1, 4, 2, 2, "tp", "etp"), (4, 2, 1, 1, 4, "tp", "etp")]

@@ -27,6 +27,7 @@ from moe_jax.plan.resolve import check_plan
 from moe_jax.train_step import abstract_state, init_placed
 from tests.commands import subprocess_env
 from tests.layouts import FAST_COMPILE as FAST
+from tests.layouts import on_ragged_dot
 from tests.pipelined import pipeline_trip_counts, pipelined, placed
 
 # --- checkpoints ------------------------------------------------------------------
@@ -157,12 +158,13 @@ def _temporaries_and_model(
 ) -> tuple[int, int]:
     """XLA's temporaries of the compiled step (S = 2, n = 4, one sequence of `seq`
     tokens per micro-batch, MLP and expert width `width` if given, no dense prefix: its
-    backward's working set on XLA:CPU's blockwise attention is not the pipeline's) and
-    the memory model's activations."""
+    backward's working set on XLA:CPU's blockwise attention is not the pipeline's; the
+    experts on `ragged_dot`, as what a pipeline holds is no kernel's) and the memory
+    model's activations."""
     from moe_jax.plan import memory
     from moe_jax.train_step import RATE, train_step
 
-    config = pipelined(2, 1, 4, micro, repeats)
+    config = on_ragged_dot(pipelined(2, 1, 4, micro, repeats))
     model = dataclasses.replace(config.model, num_layers=4, first_k_dense=0, remat="full")
     moe = config.moe
     if width:

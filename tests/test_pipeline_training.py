@@ -1,7 +1,9 @@
-"""The trainer with a pipeline: `parallel.stages=2` trains end to end on 8 CPU devices,
-under each schedule (`parallel.schedule`), in one process (the test's own) and as two
-processes of one stage each (`launch/local.py -n 2`), and logs the losses of the
-one-stage run over the same micro-batches (`train.grad_accum=M`)."""
+"""The trainer with a pipeline: `parallel.stages=2` trains end to end on 8 CPU devices
+and logs the losses of the one-stage run over the same micro-batches
+(`train.grad_accum=M`): GPipe in one process (the test's own), 1F1B as two processes of
+one stage each (`launch/local.py -n 2`): each schedule and each way of running once.
+The other two pairs add no code path: a schedule is one SPMD program whichever process
+holds a stage's devices (its numbers: `tests/test_pipeline.py`, `test_pipeline_1f1b.py`)."""
 
 from __future__ import annotations
 
@@ -49,8 +51,9 @@ def one_stage(tmp_path_factory) -> dict[int, float]:
     return _train(tmp_path_factory.mktemp("one_stage"), {**SETTINGS, **ONE_STAGE})
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("processes", [1, 2], ids=["one_process", "a_process_per_stage"])
+@pytest.mark.parametrize(
+    "processes,schedule", [(1, "gpipe"), (2, "1f1b")], ids=["one_process", "a_process_per_stage"]
+)
 def test_two_stages_log_the_one_stage_losses(tmp_path, one_stage, processes, schedule):
     settings = {**SETTINGS, **PIPELINE, "parallel.schedule": schedule}
     got = _train(tmp_path / "run", settings, processes)
