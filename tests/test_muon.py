@@ -19,7 +19,7 @@ from moe_jax import config as config_lib
 from moe_jax.optimizer import MUON_RMS, muon, muon_dimensions
 from moe_jax.parallel import pipeline
 from moe_jax.train_state import build_model
-from tests.layouts import assert_trees_close, planned, reference, with_plan
+from tests.layouts import assert_trees_close, on_ragged_dot, planned, reference, with_plan
 from tests.pipelined import one_device, pipelined
 
 A, B, C = 3.4445, -4.775, 2.0315  # the quintic Newton-Schulz coefficients
@@ -154,10 +154,13 @@ def test_every_parameter_is_muons_or_adamws_by_its_axes(path, model, matrices):
 
 
 # The pipeline tests' model (a dense first layer, four MoE layers, aux losses and
-# router biases) under Muon, 2 micro-batches accumulated: the one-device reference.
-BASE = dataclasses.replace(
-    one_device(2),
-    train=dataclasses.replace(one_device(2).train, optimizer="muon", weight_decay=DECAY),
+# router biases) under Muon, 2 micro-batches accumulated, its experts on `ragged_dot`
+# (the optimizer is no kernel's): the one-device reference.
+BASE = on_ragged_dot(
+    dataclasses.replace(
+        one_device(2),
+        train=dataclasses.replace(one_device(2).train, optimizer="muon", weight_decay=DECAY),
+    )
 )
 LAYOUTS = {
     "tp+etp": with_plan("tp", 2, 4, "etp", base=BASE),
