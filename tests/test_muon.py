@@ -163,6 +163,7 @@ BASE = on_ragged_dot(
     )
 )
 LAYOUTS = {
+    "dp": with_plan("dp", 8, 1, base=BASE),  # every matrix whole on every device
     "tp+etp": with_plan("tp", 2, 4, "etp", base=BASE),
     "tp+ep_etp": with_plan("tp", 2, 4, "ep_etp", base=BASE),
     "sp+ep_a2a,zero=2": with_plan("sp", 2, 4, "ep_a2a", base=BASE, zero=2),
