@@ -22,10 +22,10 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from moe_jax import config as config_lib
-from moe_jax.config import Config, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
+from moe_jax.config import Config, ParallelConfig
 from moe_jax.plan import comm_volume
 from moe_jax.tools import comm_report, hlo_collectives, lowered_dtypes
-from tests.layouts import MLA, on_ragged_dot, planned, with_plan
+from tests.layouts import MLA, TRAFFIC, planned, with_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 # LLVM effort only: the HLO, and so every collective, is the same; compiles take half as long.
@@ -187,16 +187,7 @@ def test_parser_on_a_compiled_shard_map_program():
     assert grads and all(c.kind == "all-reduce" for c in grads)
 
 
-# The experts on `ragged_dot`: what crosses devices is no kernel's.
-BASE = on_ragged_dot(
-    Config(
-        model=ModelConfig(
-            num_layers=2, first_k_dense=0, embed_dim=32, num_heads=8, num_kv_heads=2, head_dim=8
-        ),
-        moe=MoEConfig(num_experts=8, top_k=2, expert_mlp_dim=16),
-        train=TrainConfig(batch_size=8, seq_len=16),
-    )
-)
+BASE = TRAFFIC  # `tests.layouts.TRAFFIC`
 
 
 def _plan(

@@ -45,7 +45,7 @@ from moe_jax.tools import comm_report
 from moe_jax.train_state import init_state
 from moe_jax.train_step import loss_fn
 from tests.commands import subprocess_env
-from tests.layouts import MLA_MODEL, on_ragged_dot
+from tests.layouts import MLA_MODEL, TRAFFIC
 
 FAST = {"xla_backend_optimization_level": 0}
 ATTENTION = ("dp", "fsdp", "tp", "sp")
@@ -278,17 +278,7 @@ def test_stored_xla_attention_scores_match_xla():
 
 # ---------------------------------------------------------------- parameter traffic
 
-# The experts on `ragged_dot` (`tests.layouts.on_ragged_dot`): parameter traffic is no
-# kernel's, and test_comm_report.py's BASE is the same (its programs are shared).
-BASE = on_ragged_dot(
-    Config(
-        model=ModelConfig(
-            num_layers=2, first_k_dense=0, embed_dim=32, num_heads=8, num_kv_heads=2, head_dim=8
-        ),
-        moe=MoEConfig(num_experts=8, top_k=2, expert_mlp_dim=16),
-        train=TrainConfig(batch_size=8, seq_len=16),
-    )
-)
+BASE = TRAFFIC  # `tests.layouts.TRAFFIC`
 GRADIENT_PLANS = [  # every attention and every expert layout once
     ("dp", "ep_a2a", 2, 4),  # these three are also test_comm_report.py's REPORTED
     ("fsdp", "etp", 2, 4),  # programs (the session's compilation cache shares them)
