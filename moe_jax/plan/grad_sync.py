@@ -80,8 +80,10 @@ class GradSync:
         tick loop's backward. Each device sums its stage's 1/S of the stack over the mesh
         axes the stack is replicated on, and what every stage holds (embedding, head,
         dense prefix) over 'stage' as well."""
+        from moe_jax.plan.state_arrays import placement_key  # traces: only when asked
+
         sizes = registry.mesh_sizes(self.sized)
-        shards = _shards(_placement_key(self.sized))
+        shards = _shards(placement_key(self.sized))
         return _sync_time([sent for shard in shards for sent in self._sync(shard, sizes)])
 
     def _sync(self, shard: _Shard, sizes: dict[str, int]) -> list[tuple[float, int, Link]]:
@@ -130,21 +132,6 @@ class _Shard:
     bytes: int  # on one device (`state_arrays.device_bytes`: a pipelined stack split over 'stage')
     splits: frozenset[str]  # mesh axes it is split over
     moment_splits: frozenset[str]  # those of its optimizer moments (ZeRO-1: 'data')
-
-
-def _placement_key(sized: Config) -> Config:
-    """`sized` without the settings parameter placement ignores (one cache entry for
-    every micro-batch and overlap setting of a layout)."""
-    parallel = dataclasses.replace(
-        sized.parallel,
-        overlap_chunks=1,
-        collective_matmul=False,
-        microbatches=1,
-        repeats=1,
-        schedule="gpipe",
-    )
-    train = dataclasses.replace(sized.train, batch_size=1, grad_accum=1)
-    return dataclasses.replace(sized, parallel=parallel, train=train)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -141,6 +141,22 @@ def units(config: Config) -> list[tuple[str, int]]:
     return [(stack, count) for (stack, _), count in blocks.items()]
 
 
+def placement_key(config: Config) -> Config:
+    """`config` without the settings that place no array (micro-batches, chunks, rings,
+    repeats, the schedule, the batch): one cache entry for the planner's many plans of
+    one placement."""
+    parallel = dataclasses.replace(
+        config.parallel,
+        overlap_chunks=1,
+        collective_matmul=False,
+        microbatches=1,
+        repeats=1,
+        schedule="gpipe",
+    )
+    train = dataclasses.replace(config.train, batch_size=1, grad_accum=1)
+    return dataclasses.replace(config, parallel=parallel, train=train)
+
+
 def block_params(config: Config) -> dict[str, float]:
     """Parameters one device holds of one dense layer ('dense'), one MoE layer ('moe') and
     the embedding table ('table'), as the plan places them, for the cost model's gradient
@@ -148,12 +164,9 @@ def block_params(config: Config) -> dict[str, float]:
     they stack (counted without a pipeline, which splits only the units over 'stage').
     Computed once per placement: the planner asks for thousands of plans that differ only
     in their schedule, overlap and batch, which place no parameter differently."""
-    p = config.parallel
-    placed = dataclasses.replace(
-        p, stages=1, repeats=1, microbatches=1, overlap_chunks=1, collective_matmul=False
-    )
-    train = dataclasses.replace(config.train, batch_size=1, grad_accum=1)
-    return dict(_block_params(dataclasses.replace(config, parallel=placed, train=train)))
+    placed = placement_key(config)
+    flat = dataclasses.replace(placed.parallel, stages=1)
+    return dict(_block_params(dataclasses.replace(placed, parallel=flat)))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -184,12 +197,8 @@ def state_bytes(config: Config) -> dict[str, int]:
     Under the distributed optimizer (ZeRO-2) params also count the step's compute copy
     of every parameter in `model.dtype`, and the float32 gradients are the compute
     copy's (whole as the layout places it, before the reduce-scatter). Computed once per
-    placement, as `block_params`: the planner's plans differ mostly in what places none."""
-    placed = dataclasses.replace(
-        config.parallel, microbatches=1, overlap_chunks=1, collective_matmul=False
-    )
-    train = dataclasses.replace(config.train, batch_size=1, grad_accum=1)
-    return dict(_state_bytes(dataclasses.replace(config, parallel=placed, train=train)))
+    placement (`placement_key`), as `block_params`."""
+    return dict(_state_bytes(placement_key(config)))
 
 
 @functools.lru_cache(maxsize=4096)
