@@ -62,17 +62,11 @@ def on_ragged_dot(config: Config) -> Config:
 
 
 # The model whose traffic `tests/test_comm_report.py` and test_plan_memory.py's parameter
-# traffic read (one config: the session's compilation cache shares their programs): BASE's
-# shape without its auxiliary losses, the experts on `ragged_dot` (what crosses devices is
-# no kernel's).
+# traffic read (one config: the session's compilation cache shares their programs): BASE
+# without its auxiliary losses, the experts on `ragged_dot` (what crosses devices is no
+# kernel's).
 TRAFFIC = on_ragged_dot(
-    Config(
-        model=ModelConfig(
-            num_layers=2, first_k_dense=0, embed_dim=32, num_heads=8, num_kv_heads=2, head_dim=8
-        ),
-        moe=MoEConfig(num_experts=8, top_k=2, expert_mlp_dim=16),
-        train=TrainConfig(batch_size=8, seq_len=16),
-    )
+    dataclasses.replace(BASE, moe=MoEConfig(num_experts=8, top_k=2, expert_mlp_dim=16))
 )
 
 
