@@ -120,9 +120,11 @@ FIXED_ON_RESUME = (
 def _optimizer_changes(ours: dict, saved: dict) -> list[tuple[str, Any, Any]]:
     """(setting, here, there) of the settings that shape the optimizer's saved state:
     `train.optimizer`, and whether `train.grad_clip` clips (its transformation is part of
-    the state's tree). A setting missing from an older checkpoint held its default."""
+    the state's tree). A setting missing from an older checkpoint held its default; a
+    threshold that is not a number (a hand-edited checkpoint) is a change, never a crash."""
     default = config_lib.TrainConfig()
-    shapes = {"optimizer": lambda v: v, "grad_clip": lambda v: v > 0}
+    clips = lambda v: v > 0 if isinstance(v, int | float) and not isinstance(v, bool) else v
+    shapes = {"optimizer": lambda v: v, "grad_clip": clips}
     found = []
     for key, shape in shapes.items():
         here, there = ours["train"][key], saved.get("train", {}).get(key, getattr(default, key))

@@ -194,6 +194,12 @@ def test_changing_the_optimizers_state_is_refused_and_a_checkpoint_from_before_i
     unclipped = tiny_config(steps=4, eval_every=0, grad_clip=0.0)
     _refused(unclipped, run, "train.grad_clip=0.0 here but 1.0 there", "optimizer's state")
     ours = dataclasses.asdict(config_lib.Config())
+    threshold = lambda v: {**ours, "train": {**ours["train"], "grad_clip": v}}
+    assert trainer._resume_changes(ours, threshold(2.0), 2, tmp_path) == [
+        "resuming step 2 with changed settings: train.grad_clip=1.0 (was 2.0)"
+    ]
+    with pytest.raises(ValueError, match=r"train\.grad_clip=1\.0 here but 'x' there"):
+        trainer._resume_changes(ours, threshold("x"), 2, tmp_path)  # a hand-edited checkpoint
     saved = {**ours, "train": {k: v for k, v in ours["train"].items() if k != "optimizer"}}
     assert trainer._resume_changes(ours, saved, 2, tmp_path) == []
     ours["train"]["optimizer"] = "muon"
