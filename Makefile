@@ -63,12 +63,18 @@ $(HF_VENV)/.ready: requirements-hf.txt
 train: $(VENV)/.runtime
 	$(PY) -m moe_jax.train
 
+# The tests run under jemalloc where it is installed (Debian's libjemalloc2; .ci/run
+# installs it): XLA's compiles, most of the tests' time, take a fifth less than under
+# glibc's malloc (four layout tests' programs: 14.7 s -> 11.6 s).
+JEMALLOC := $(firstword $(wildcard /usr/lib/*/libjemalloc.so.2 /usr/lib64/libjemalloc.so.2))
+
 # The two environments are built side by side: each is one pip, which uses one core.
 test:
 	@$(MAKE) --no-print-directory -j2 $(VENV)/.dev $(HF_VENV)/.ready
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=25
+	$(if $(JEMALLOC),LD_PRELOAD=$(JEMALLOC)) $(PY) -m pytest -n 2 --dist loadfile \
+	  --no-loadscope-reorder --durations=25
 
 lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check .
