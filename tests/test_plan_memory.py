@@ -382,6 +382,11 @@ MIXTRAL_64 = textwrap.dedent(
     assert planner.fits(best.memory, ranking.gpu), best.memory
     for overlap in sys.argv[1:]:
         base, plan = planned, best.plan
+        if overlap == "muon":  # the planner's plan for the same model under Muon
+            train = dataclasses.replace(planned.train, optimizer="muon")
+            base = dataclasses.replace(planned, train=train)
+            muon = planner.rank(base, 64, "h100", pp=1, limit=1, grad_sync="per_micro_batch")
+            plan = muon.best.plan
         if "compressed" in overlap:
             compressed = dict(token_dtype="fp8", grad_exchange="bf16_a2a")
             plan = dataclasses.replace(
@@ -403,8 +408,9 @@ MIXTRAL_64 = textwrap.dedent(
         tuple_table = 8 * len(jax.tree.leaves(abstract))
         compiled = step_bytes(config, layout, graphdef, abstract, shardings)
         p = config.parallel
-        print(overlap, p.attention, p.experts, p.expert_fsdp, p.token_dtype, p.grad_exchange,
-              p.overlap_chunks, p.collective_matmul, init.output_size_in_bytes,
+        print(overlap, config.train.optimizer, p.attention, p.experts, p.expert_fsdp,
+              p.token_dtype, p.grad_exchange, p.overlap_chunks, p.collective_matmul,
+              init.output_size_in_bytes,
               need.params + need.optimizer + tuple_table, whole, compiled, need.total,
               unringed.total, flush=True)
     """
@@ -430,7 +436,7 @@ def mixtral_64(request) -> dict[str, list[str]]:
     return {line.split()[0]: line.split()[1:] for line in run.stdout.splitlines()}
 
 
-@pytest.mark.parametrize("overlap", ["planned", "rings+compressed"])
+@pytest.mark.parametrize("overlap", ["planned", "rings+compressed", "muon"])
 def test_mixtral_8x7b_train_step_compiles_on_64_devices_as_the_memory_model_says(
     overlap, mixtral_64
 ):
@@ -446,14 +452,19 @@ def test_mixtral_8x7b_train_step_compiles_on_64_devices_as_the_memory_model_says
     ring step pads its own expert tiles, which the memory model counts), and both
     compressions, FP8 token exchange and the bf16 all-to-all gradient exchange (the step
     inside one shard_map over the mesh), so that all four hold at this scale together
-    (one 64-device program instead of one per feature)."""
+    (one 64-device program instead of one per feature). "muon": `train.optimizer=muon`
+    under the plan the planner picks for it (one momentum per hidden matrix, whose
+    Newton-Schulz iterations run on the matrices as placed)."""
     *plan, init, share, whole, compiled, predicted, unringed = mixtral_64[overlap]
     assert int(init) == int(share)  # each device writes only its share of the state
-    assert int(whole) > 500e9 and int(init) < int(whole) / 40
+    # the float32 weights with AdamW's two moments, ~560 GB; with Muon's one momentum
+    # for the hidden matrices, ~375 GB
+    assert int(whole) > (350e9 if overlap == "muon" else 500e9) and int(init) < int(whole) / 40
     assert int(compiled) == pytest.approx(int(predicted), rel=0.15), (plan, compiled, predicted)
     assert int(unringed) <= 0.9 * 80e9  # planned, and compressed alone, fit the H100
+    assert plan[0] == ("muon" if overlap == "muon" else "adamw")
     if overlap == "rings+compressed":
-        assert plan[-2:] == ["2", "True"] and plan[3:5] == ["fp8", "bf16_a2a"]
+        assert plan[-2:] == ["2", "True"] and plan[4:6] == ["fp8", "bf16_a2a"]
 
 
 def test_gradient_accumulation_holds_a_second_gradient():
