@@ -184,11 +184,15 @@ class Checkpointer:
 
     def saved_config(self, step: int) -> dict[str, Any]:
         """The resolved config the checkpoint of `step` was written with (read through
-        orbax, whatever its file layout)."""
+        orbax, whatever its file layout); a ValueError, as for unreadable JSON, when it
+        is not a config's sections (a hand-edited checkpoint)."""
         restored = self.manager.restore(
             step, args=ocp.args.Composite(config=ocp.args.JsonRestore())
         )
-        return restored["config"] or {}
+        config = restored["config"] or {}
+        if not isinstance(config, dict) or not all(isinstance(v, dict) for v in config.values()):
+            raise ValueError(f"its config is not a moe_jax config's sections: {config!r:.80}")
+        return config
 
     def save(self, step: int, state, data_state: dict, config: dict) -> bool:
         """Starts an asynchronous save; returns whether one was started. A one-line

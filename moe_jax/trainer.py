@@ -123,7 +123,7 @@ def _optimizer_changes(ours: dict, saved: dict) -> list[tuple[str, Any, Any]]:
     the state's tree). A setting missing from an older checkpoint held its default; a
     threshold that is not a number (a hand-edited checkpoint) is a change, never a crash."""
     default = config_lib.TrainConfig()
-    clips = lambda v: v > 0 if isinstance(v, int | float) and not isinstance(v, bool) else v
+    clips = lambda v: v > 0 if isinstance(v, int | float) else v
     shapes = {"optimizer": lambda v: v, "grad_clip": clips}
     found = []
     for key, shape in shapes.items():

@@ -56,10 +56,18 @@ def _garble_the_config(step_dir: Path) -> None:
             p.write_text("{not json")
 
 
+def _config_of_no_sections(step_dir: Path) -> None:
+    """Valid JSON, but a section that is not one (a hand edit)."""
+    for p in (step_dir / "config").iterdir():
+        if p.is_file():
+            p.write_text('{"train": [1.0]}')
+
+
 DAMAGE = {
     "truncated": _truncate_a_data_file,
     "state_emptied": _empty_the_state,
     "config_garbled": _garble_the_config,
+    "config_not_sections": _config_of_no_sections,
 }
 
 
