@@ -155,6 +155,7 @@ class TrainConfig:
     warmup_steps: int = 20
     optimizer: str = "adamw"  # or muon: Muon for the hidden matrices (moe_jax.optimizer)
     muon_momentum: float = 0.95  # optimizer=muon: the matrices' Nesterov momentum
+    moment_dtype: str = "float32"  # or bfloat16: the optimizer's moments between steps
     weight_decay: float = 0.1
     decay_norms: bool = False  # apply weight decay to norm scales
     decay_embeddings: bool = True  # apply weight decay to the embedding table

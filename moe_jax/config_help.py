@@ -119,6 +119,11 @@ MEANINGS: dict[str, str] = {
         "its own, AdamW for the embedding, head, routers, norms and biases"
     ),
     "train.muon_momentum": "optimizer=muon: the matrices' Nesterov momentum",
+    "train.moment_dtype": (
+        "`float32`, or `bfloat16`: the optimizer's moments (AdamW's two, Muon's momentum) "
+        "stored in bf16 between steps and updated in float32, as DeepSeek-V3 trained: half "
+        "their memory; the master weights and gradient sums stay float32"
+    ),
     "train.weight_decay": (
         "decoupled weight decay (matrices; norms and embeddings as set below; under "
         "`muon` every hidden matrix)"

@@ -189,6 +189,12 @@ def validate_optimizer(config: Config) -> None:
         t.optimizer,
         f"valid: {names.OPTIMIZERS}",
     )
+    check(
+        t.moment_dtype in names.MOMENT_DTYPES,
+        "train.moment_dtype",
+        t.moment_dtype,
+        f"valid: {names.MOMENT_DTYPES}",
+    )
     for name in ("b1", "b2", "muon_momentum"):
         check(0 <= getattr(t, name) < 1, f"train.{name}", getattr(t, name), "must be in [0, 1)")
     check(

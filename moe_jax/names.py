@@ -12,6 +12,7 @@ from __future__ import annotations
 ATTENTION_LAYOUTS = ("dp", "fsdp", "tp", "sp")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 OPTIMIZERS = ("adamw", "muon")
+MOMENT_DTYPES = ("float32", "bfloat16")  # `train.moment_dtype`
 EXPERT_LAYOUTS = ("ep_a2a", "ep_a2a_ragged", "ep_ag", "etp", "ep_etp")
 # The keys of `moe_jax.plan.hardware.GPUS`, in their order.
 GPU_PRESETS = ("h800", "h100", "h200", "a100", "h20")

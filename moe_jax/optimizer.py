@@ -93,17 +93,37 @@ def rates(cfg: TrainConfig, start: int = 0, stop: int | None = None) -> np.ndarr
     return np.asarray(jax.jit(learning_rate(cfg))(steps), np.float32).reshape(len(steps))
 
 
+def kept_in(
+    inner: optax.GradientTransformation, dtype, moments: tuple[str, ...]
+) -> optax.GradientTransformation:
+    """`inner` with its state's `moments` fields stored in `dtype` between steps and
+    updated in float32: they are widened before `inner` runs and rounded after it, so
+    each update is computed from float32 moments (optax's own `mu_dtype` would compute
+    `b1 * mu` in the narrow type). The state's tree stays `inner`'s."""
+    if jnp.dtype(dtype) == jnp.float32:
+        return inner
+    cast = lambda state, to: state._replace(
+        **{name: optax.tree.cast(getattr(state, name), to) for name in moments}
+    )
+
+    def update(updates, state, params=None):
+        updates, state = inner.update(updates, cast(state, jnp.float32), params)
+        return updates, cast(state, dtype)
+
+    return optax.GradientTransformation(lambda params: cast(inner.init(params), dtype), update)
+
+
 def adamw(cfg: TrainConfig, lr: optax.Schedule | None = None) -> optax.GradientTransformation:
-    """`optax.adamw` at the schedule `learning_rate(cfg)`, or at `lr` (the train step
-    passes a schedule that returns the rate it was given). Either way the state holds
-    the schedule's step count, so checkpoints read the same tree."""
-    return optax.adamw(
-        learning_rate(cfg) if lr is None else lr,
-        cfg.b1,
-        cfg.b2,
-        eps=cfg.eps,
-        weight_decay=cfg.weight_decay,
-        mask=decay_mask(cfg),
+    """`optax.adamw`'s chain (its state tree) at the schedule `learning_rate(cfg)`, or at
+    `lr` (the train step passes a schedule that returns the rate it was given), the
+    moments kept in `train.moment_dtype` (`kept_in`: as DeepSeek-V3 kept both in bf16;
+    master weights and gradient sums stay float32). Either way the state holds the
+    schedule's step count, so checkpoints read the same tree."""
+    adam = optax.scale_by_adam(cfg.b1, cfg.b2, eps=cfg.eps)
+    return optax.chain(
+        kept_in(adam, cfg.moment_dtype, ("mu", "nu")),
+        optax.add_decayed_weights(cfg.weight_decay, decay_mask(cfg)),
+        optax.scale_by_learning_rate(learning_rate(cfg) if lr is None else lr),
     )
 
 
@@ -126,13 +146,18 @@ def muon_dimensions(params):
 def muon(cfg: TrainConfig, lr: optax.Schedule | None = None) -> optax.GradientTransformation:
     """Muon for the hidden matrices (`MUON_MATRICES`), AdamW (`adamw`) for the rest, at
     the schedule `learning_rate(cfg)` or `lr`. Built from optax's parts: its
-    `scale_by_muon` (Nesterov momentum `train.muon_momentum`, bias-corrected, then 5
-    Newton-Schulz steps with the quintic coefficients on each matrix, Frobenius
-    normalised first) and `scale_by_shape` (`MUON_RMS`), then decoupled weight decay on
-    every matrix and the learning rate, as AdamW's."""
+    `scale_by_muon` (Nesterov momentum `train.muon_momentum`, kept in
+    `train.moment_dtype`, bias-corrected, then 5 Newton-Schulz steps with the quintic
+    coefficients on each matrix, Frobenius normalised first) and `scale_by_shape`
+    (`MUON_RMS`), then decoupled weight decay on every matrix and the learning rate, as
+    AdamW's."""
     rate = learning_rate(cfg) if lr is None else lr
     matrices = optax.chain(
-        scale_by_muon(beta=cfg.muon_momentum, weight_dimension_numbers=muon_dimensions),
+        kept_in(
+            scale_by_muon(beta=cfg.muon_momentum, weight_dimension_numbers=muon_dimensions),
+            cfg.moment_dtype,
+            ("mu",),
+        ),
         scale_by_shape(weight_dimension_numbers=muon_dimensions, consistent_rms=MUON_RMS),
         optax.add_decayed_weights(cfg.weight_decay),
         optax.scale_by_learning_rate(rate),

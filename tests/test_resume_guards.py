@@ -205,3 +205,40 @@ def test_changing_the_optimizers_state_is_refused_and_a_checkpoint_from_before_i
     ours["train"]["optimizer"] = "muon"
     with pytest.raises(ValueError, match="'muon' here but 'adamw' there"):
         trainer._resume_changes(ours, saved, 2, tmp_path)
+
+
+def test_float32_moments_resume_as_bf16_rounded_and_named(tmp_path, two_step_run, capsys):
+    """`train.moment_dtype` is no other state tree: a float32 run resumes with bf16
+    moments (named as a changed setting), each moment the float32 one rounded to bf16."""
+    import jax
+    import jax.numpy as jnp
+
+    from moe_jax.parallel import mesh as mesh_lib
+    from moe_jax.plan.resolve import resolve
+    from moe_jax.train_state import init_state
+
+    run = _ran(tmp_path, two_step_run)
+    capsys.readouterr()
+    bf16 = tiny_config(steps=3, eval_every=0, checkpoint_every=3, moment_dtype="bfloat16")
+    trainer.run(bf16, run)
+    out = capsys.readouterr().out
+    assert "resuming step 2 with changed settings: " in out
+    assert "train.moment_dtype='bfloat16' (was 'float32')" in out
+
+    def restored(config, step):
+        config = resolve(config, len(jax.devices()))
+        layout = mesh_lib.make_layout(config, mesh_lib.make_mesh(config))
+        _, state = init_state(config, layout)
+        checkpoints = Checkpointer(run / "checkpoints", 3)
+        state, _ = checkpoints.restore(step, state)
+        checkpoints.close()
+        return state.opt_state[1][0]  # (clipping, (adam, decay, schedule))
+
+    saved, read = restored(tiny_config(), 2), restored(bf16, 2)
+    assert {x.dtype for x in jax.tree.leaves(read.mu)} == {jnp.dtype(jnp.bfloat16)}
+    for ours, theirs in zip(
+        jax.tree.leaves((read.mu, read.nu)), jax.tree.leaves((saved.mu, saved.nu)), strict=True
+    ):
+        assert theirs.dtype == jnp.float32
+        assert (ours == theirs.astype(jnp.bfloat16)).all()
+    assert {x.dtype for x in jax.tree.leaves(restored(bf16, 3).nu)} == {jnp.dtype(jnp.bfloat16)}

@@ -15,7 +15,12 @@ from moe_jax.parallel.layout import DATA, INTRA, STAGE, axes_of
 from moe_jax.plan import comm_volume
 from moe_jax.plan.op_costs import PARAM_BYTES, Link
 
-ADAM_BYTES_PER_PARAM = 28  # read grad, param, m, v (16); write param, m, v (12)
+
+def optimizer_bytes_per_param(moment_bytes: int, moments: int = 2) -> int:
+    """HBM bytes an optimizer update moves per float32 parameter: read its gradient, the
+    parameter and the moments, write the parameter and the moments back (AdamW: two
+    moments; 28 in float32, 20 with `train.moment_dtype=bfloat16`)."""
+    return 4 + 4 + 4 + 2 * moments * moment_bytes
 
 
 class GradSync:
@@ -69,11 +74,13 @@ class GradSync:
 
     def optimizer_s(self, params: float | None = None) -> float:
         """AdamW update: memory-bound over one device's parameters (default the largest
-        1F1B stage's; the moments split over data by ZeRO-1)."""
+        1F1B stage's; the moments split over data by ZeRO-1), moments in
+        `train.moment_dtype`."""
         params = max(self.stage_params()) if params is None else params
         shards = self.plan.parallel.data if self.plan.parallel.zero else 1
         bandwidth = self.gpu.hbm_bandwidth * self.eff.memory
-        return params / shards * ADAM_BYTES_PER_PARAM / bandwidth
+        moment = comm_volume.DTYPE_BYTES[self.sized.train.moment_dtype]
+        return params / shards * optimizer_bytes_per_param(moment) / bandwidth
 
     def pipeline_sync_s(self) -> float:
         """The pipelined step's gradient sum, exposed: the trainer runs it once, after the

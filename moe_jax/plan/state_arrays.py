@@ -40,8 +40,7 @@ class StateArray:
 
 
 @functools.cache
-def _state_arrays(model: ModelConfig, moe: MoEConfig, clipped: bool, optimizer: str) -> tuple:
-    train = TrainConfig(grad_clip=1.0 if clipped else 0.0, optimizer=optimizer)  # the shapes
+def _state_arrays(model: ModelConfig, moe: MoEConfig, train: TrainConfig) -> tuple:
     _, state = jax.eval_shape(lambda: init_state(Config(model=model, moe=moe, train=train)))
     arrays = []
     leaves = jax.tree_util.tree_leaves_with_path(
@@ -71,8 +70,11 @@ def _state_arrays(model: ModelConfig, moe: MoEConfig, clipped: bool, optimizer: 
 
 def state_arrays(config: Config) -> tuple[StateArray, ...]:
     """Every array of the `TrainState` of `config` (shapes only; nothing is allocated)."""
-    t = config.train
-    return _state_arrays(config.model, config.moe, t.grad_clip > 0, t.optimizer)
+    t = config.train  # of the train settings, those that shape the state
+    shaping = TrainConfig(
+        grad_clip=float(t.grad_clip > 0), optimizer=t.optimizer, moment_dtype=t.moment_dtype
+    )
+    return _state_arrays(config.model, config.moe, shaping)
 
 
 mesh_sizes = registry.mesh_sizes
