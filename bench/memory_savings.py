@@ -56,7 +56,8 @@ def main() -> None:
     base = config_lib.load(raw)
     best = planner.rank(base, args.gpus, args.gpu, pp=1, limit=1, grad_sync="per_micro_batch")
     plan = best.best.plan
-    config = check_plan(plan.config(base, base.train.batch_size), args.gpus)
+    # a GPU plan (nothing is compiled): checked as the GPU runs it
+    config = check_plan(plan.config(base, base.train.batch_size), args.gpus, platform="gpu")
     total, active = parameter_counts(config)
     need = memory.memory_per_device(config)
     print(
@@ -87,9 +88,9 @@ def main() -> None:
         "6 remat='full'": _with(config, "model", remat="full"),
     }
     for label, other in changed.items():
-        print(_line(label, memory.memory_per_device(check_plan(other, args.gpus))))
+        print(_line(label, memory.memory_per_device(check_plan(other, args.gpus, platform="gpu"))))
     a2a = _with(config, "parallel", attention="sp", experts="ep_a2a", expert_fsdp=False)
-    a2a = check_plan(a2a, args.gpus)
+    a2a = check_plan(a2a, args.gpus, platform="gpu")
     for factor in (0.0, 2.0):
         bounded = _with(a2a, "parallel", a2a_buffer_factor=factor)
         terms = memory.block_activation_bytes(bounded, moe=True)

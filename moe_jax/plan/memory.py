@@ -15,14 +15,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from moe_jax.config import Config, MoEConfig
+from moe_jax.config import Config
 from moe_jax.model.loss import loss_chunks
 from moe_jax.model.mtp import is_moe
-from moe_jax.moe.experts import kernel_of, resolve_impl
+from moe_jax.moe.experts import kernel_of
 from moe_jax.parallel import registry
 from moe_jax.parallel.layout import DATA, INTRA
 from moe_jax.parallel.pipeline_schedule import one_f_one_b
-from moe_jax.plan import memory_mla
+from moe_jax.plan import memory_experts, memory_mla
 from moe_jax.plan.comm_volume import DTYPE_BYTES
 from moe_jax.plan.state_arrays import device_bytes, state_arrays, state_bytes, units
 
@@ -139,47 +139,6 @@ def _router_terms(tokens: int, z: _Sizes, e: int, k: int) -> dict[str, int]:
     }
 
 
-def _expert_terms(
-    config: Config,
-    z: _Sizes,
-    tokens: int,
-    choices: int,
-    moe: MoEConfig,
-    f_local: int,
-    slots: int | None = None,
-    pieces: int = 1,
-) -> dict[str, int]:
-    """Grouped SwiGLU over `tokens` x `choices` assignments on `moe.num_experts` local
-    experts of width `f_local`: the sorted rows (tile-padded for `tiled`), their hidden
-    activations and the weights as the matmuls read them. `slots`: capacity per expert
-    when drops were decided over all experts (the all-gather forms). `pieces`: the
-    independent groups the rows are computed in (chunks, ring steps), each with its
-    own tile-padded buffer."""
-    impl, e_local = kernel_of(moe), moe.num_experts
-    per = tokens // pieces
-    held = per * choices  # rows a piece holds (capacity mode: at most its [E, C] buckets)
-    if resolve_impl(moe) == "capacity":
-        held = min(held, e_local * (slots or moe.capacity(per)))
-    weights = 3 * e_local * z.h * f_local * z.B
-    if impl == "tiled":  # tile-padded rows, each piece its own buffer and chunk plan
-        tile = moe.tile(per)
-        padded = -(-(held + e_local * (tile - 1)) // tile) * tile
-        rows = pieces * padded
-        levels = max(1, (padded // tile).bit_length())
-        indices = rows + pieces * levels * (2 * e_local + 1)
-        # weights are cast once per piece, each cast living only while its piece runs
-        # (the pieces' gradient accumulators, all live at once: `piece_gradient_bytes`)
-    else:  # ragged_dot / dense
-        rows = indices = pieces * held
-    # float32 weights are read as the parameters themselves, unless gathered over 'data'
-    weights = weights if z.B != FP32 or config.parallel.expert_fsdp else 0
-    return {
-        "expert_rows": rows * z.h * z.B + 4 * indices,
-        "expert_hidden": 6 * rows * f_local * z.B,
-        "expert_weights": weights,
-    }
-
-
 def block_activation_bytes(
     config: Config, moe: bool, micro_batch: int | None = None
 ) -> dict[str, int]:
@@ -232,25 +191,11 @@ def block_activation_bytes(
         for key, value in _mlp_terms(config, z, m.mlp_dim).items():
             terms[key] = value
         return terms
-    spec = registry.expert_spec(config)
-    expert, tensor = registry.expert_split(config)
-    local = dataclasses.replace(e, num_experts=e.num_experts // expert)
-    group_slots = None
-    if spec.gathers_tokens:
-        routed = z.n * z.t
-        tokens, choices = routed, e.top_k
-        group_slots = None if e.dropless else e.capacity(routed)
-    else:
-        routed = z.t
-        factor = config.parallel.a2a_buffer_factor
-        slots = spec.receive_slots(z.t, e, local.num_experts, factor)
-        local = dataclasses.replace(local, capacity_factor=0.0)
-        tokens, choices = z.n * slots, 1  # the received rows, one expert each
-        terms["exchange"] = tokens * 12  # received expert ids, row indices, weights
-    terms.update(_router_terms(routed, z, e.num_experts, e.top_k))
-    f_local = e.expert_mlp_dim // tensor
-    pieces = _expert_pieces(config, z)
-    terms.update(_expert_terms(config, z, tokens, choices, local, f_local, group_slots, pieces))
+    rows = memory_experts.routed_rows(config, z)
+    if not registry.expert_spec(config).gathers_tokens:
+        terms["exchange"] = rows.tokens * 12  # received expert ids, row indices, weights
+    terms.update(_router_terms(rows.routed, z, e.num_experts, e.top_k))
+    terms.update(memory_experts.expert_terms(config, z, rows))
     if e.num_shared_experts:
         width = e.num_shared_experts * e.shared_mlp_dim
         shared = _mlp_terms(config, z, width)
@@ -258,19 +203,10 @@ def block_activation_bytes(
     return terms
 
 
-def _expert_pieces(config: Config, z: _Sizes) -> int:
-    """The independent groups an expert block's rows are computed in: its
-    parallel.overlap_chunks chunks, times the n ring steps of each under
-    parallel.collective_matmul (where the expert layout has a ring form)."""
-    spec = registry.expert_spec(config)
-    ring = config.parallel.collective_matmul and spec.ring_dispatcher is not None
-    return config.parallel.overlap_chunks * (z.n if ring else 1)
-
-
 def piece_gradient_bytes(config: Config, micro_batch: int | None = None) -> int:
     """The `tiled` kernel's float32 weight-gradient accumulators beyond the one the
     layer's own gradient is, in the backward of an expert block computed in P > 1
-    pieces (`_expert_pieces`): every piece's backward accumulates its own gradient of
+    pieces (`memory_experts.expert_pieces`): every piece's backward accumulates its own gradient of
     the local gate, up and down weights, (P - 1)·3·E_l·h·f_l·4, and XLA makes all P
     zeroed accumulators before the first piece's backward runs (one zero broadcast,
     copied per loop; tests/test_plan_memory.py, the 'rings' Mixtral plan: 96
@@ -279,25 +215,10 @@ def piece_gradient_bytes(config: Config, micro_batch: int | None = None) -> int:
     if kernel_of(e) != "tiled":
         return 0
     z = _sizes(config, micro_batch)
-    pieces = _expert_pieces(config, z)
+    pieces = memory_experts.expert_pieces(config, z)
     expert, tensor = registry.expert_split(config)
     f_local = e.expert_mlp_dim // tensor
     return (pieces - 1) * 3 * (e.num_experts // expert) * z.h * f_local * FP32
-
-
-def gathered_expert_bytes(config: Config) -> int:
-    """Under parallel.expert_fsdp, the float32 weights an MoE block gathers over 'data'
-    for its local experts (gate, up and down, 3·E_l·h·f_l·4) and their float32 gradient
-    at that size before the reduce-scatter returns each device its share: twice that,
-    in the working set once (its bf16 cast is `expert_weights`). DeepSeek-V3 at full
-    width on 64 devices (tests/test_plan_memory.py): XLA's peak holds two gathered
-    f32[32, 7168, 2048] weights, three zeroed gradients of that shape and the casts."""
-    if not config.parallel.expert_fsdp:
-        return 0
-    e = config.moe
-    expert, tensor = registry.expert_split(config)
-    local = 3 * (e.num_experts // expert) * config.model.embed_dim * (e.expert_mlp_dim // tensor)
-    return 2 * local * FP32
 
 
 def _head_bytes(config: Config, z: _Sizes) -> int:
@@ -382,12 +303,15 @@ def stage_activation_bytes(
     holding that unit's activations. With 'selective' (and 'offload', whose kept
     tensors wait in host memory) each unit keeps its named tensors and the backward
     rebuilds the rest of one unit at a time. An MoE stage's backward also holds
-    `piece_gradient_bytes` and `gathered_expert_bytes`, in every mode."""
+    `piece_gradient_bytes`, `gathered_expert_bytes` and the kernel's input-gradient
+    buffers (`memory_experts.backward_bytes`), in every mode."""
     z = _sizes(config, micro_batch)
     per_unit = [unit_activation_bytes(config, unit, micro_batch) for unit in stage]
     head = _head_bytes(config, z) if last else 0
     moe = any(kind == "moe" for kind, _ in stage)
-    pieces = piece_gradient_bytes(config, micro_batch) + gathered_expert_bytes(config)
+    pieces = piece_gradient_bytes(config, micro_batch)
+    pieces += memory_experts.gathered_expert_bytes(config)
+    pieces += memory_experts.backward_bytes(config, z)
     pieces = pieces if moe else 0
     remat = config.model.remat
     if remat == "full":
