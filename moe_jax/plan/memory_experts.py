@@ -63,7 +63,7 @@ def routed_rows(config: Config, z: Any) -> Routed:
     return Routed(routed, tokens, choices, local, slots, f_local, expert_pieces(config, z))
 
 
-def _piece_rows(z: Any, rows: Routed) -> tuple[str, int, int]:
+def _piece_rows(rows: Routed) -> tuple[str, int, int]:
     """(kernel, rows one piece's buffer has, its tile or 0): tile-padded for `tiled`."""
     moe, e_local = rows.local, rows.local.num_experts
     impl = kernel_of(moe)
@@ -82,14 +82,17 @@ def expert_terms(config: Config, z: Any, rows: Routed) -> dict[str, int]:
     (tile-padded for `tiled`, each piece its own buffer), their six hidden activations
     and the weights as the matmuls read them (copied only when cast to bf16, or
     gathered over 'data')."""
-    impl, padded, tile = _piece_rows(z, rows)
+    impl, padded, tile = _piece_rows(rows)
     e_local = rows.local.num_experts
     total = rows.pieces * padded
     indices = total
     if impl == "tiled":  # each piece's chunk plan
         levels = max(1, (padded // tile).bit_length())
         indices = total + rows.pieces * levels * (2 * e_local + 1)
+        # weights are cast once per piece, each cast living only while its piece runs
+        # (the pieces' gradient accumulators, all live at once: `piece_gradient_bytes`)
     weights = 3 * e_local * z.h * rows.f_local * z.B
+    # float32 weights are read as the parameters themselves, unless gathered over 'data'
     weights = weights if z.B != FP32 or config.parallel.expert_fsdp else 0
     return {
         "expert_rows": total * z.h * z.B + 4 * indices,
@@ -114,7 +117,7 @@ def backward_bytes(config: Config, z: Any) -> int:
     if not config.moe.num_experts:
         return 0
     rows = routed_rows(config, z)
-    impl, padded, tile = _piece_rows(z, rows)
+    impl, padded, tile = _piece_rows(rows)
     if impl != "tiled":
         return 0
     chunk = tile << ((padded // tile).bit_length() - 1)
