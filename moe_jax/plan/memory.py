@@ -206,8 +206,8 @@ def block_activation_bytes(
 def piece_gradient_bytes(config: Config, micro_batch: int | None = None) -> int:
     """The `tiled` kernel's float32 weight-gradient accumulators beyond the one the
     layer's own gradient is, in the backward of an expert block computed in P > 1
-    pieces (`memory_experts.expert_pieces`): every piece's backward accumulates its own gradient of
-    the local gate, up and down weights, (P - 1)·3·E_l·h·f_l·4, and XLA makes all P
+    pieces (`memory_experts.expert_pieces`): every piece's backward accumulates its own
+    gradient of the local gate, up and down weights, (P - 1)·3·E_l·h·f_l·4, and XLA makes all P
     zeroed accumulators before the first piece's backward runs (one zero broadcast,
     copied per loop; tests/test_plan_memory.py, the 'rings' Mixtral plan: 96
     f32[8, 4096, 1792] live at the peak). Part of the backward's working set, once."""

@@ -113,7 +113,9 @@ def backward_bytes(config: Config, z: Any) -> int:
     cotangent, has run). DeepSeek-V3's MoE layer, tp, intra 8, in XLA's buffer report at
     the step's peak: ep_a2a at 4 sequences holds those seven [R, h] buffers and three
     [R, f_l], etp at 2 the seven and no combine rows (tests/test_plan_memory.py).
-    Other kernels: 0 (not measured here)."""
+    Never negative: where the released tensors outweigh it (wide experts, Mixtral-8x7B
+    under ep_a2a or ep_ag) the backward's peak is the stored set itself. Other kernels:
+    0 (not measured here)."""
     if not config.moe.num_experts:
         return 0
     rows = routed_rows(config, z)
@@ -123,7 +125,7 @@ def backward_bytes(config: Config, z: Any) -> int:
     chunk = tile << ((padded // tile).bit_length() - 1)
     wide = 5 * padded * z.h * z.B + chunk * z.h * FP32
     combine = rows.routed * config.moe.top_k * z.h * z.B  # `memory._router_terms`
-    return wide - 3 * padded * rows.f_local * z.B - combine
+    return max(0, wide - 3 * padded * rows.f_local * z.B - combine)
 
 
 def gathered_expert_bytes(config: Config) -> int:
