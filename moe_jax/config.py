@@ -163,6 +163,8 @@ class TrainConfig:
     b2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0  # global-norm clipping; 0 disables it
+    qk_clip: bool = False  # Kimi-K2's QK-clip: heads whose peak logit passed the threshold
+    qk_clip_threshold: float = 100.0  # ... have their query and key scaled (moe_jax.qk_clip)
     seed: int = 0
     log_every: int = 10
     eval_every: int = 100  # 0 evaluates only at the end

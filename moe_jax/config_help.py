@@ -128,6 +128,13 @@ MEANINGS: dict[str, str] = {
         "decoupled weight decay (matrices; norms and embeddings as set below; under "
         "`muon` every hidden matrix)"
     ),
+    "train.qk_clip": (
+        "Kimi-K2's QK-clip (MuonClip with `muon`): each attention head's largest "
+        "pre-softmax logit is tracked in the forward and logged (`max_attn_logit`), and "
+        "after the update the query and key weights of every head whose peak passed "
+        "`qk_clip_threshold` are rescaled to bring it to the threshold"
+    ),
+    "train.qk_clip_threshold": "qk_clip: the largest logit τ a head keeps (> 0; Kimi-K2: 100)",
     "train.decay_norms": "apply weight decay to norm scales",
     "train.decay_embeddings": "apply weight decay to the embedding table",
     "train.b1": "AdamW first-moment decay",

@@ -203,6 +203,37 @@ def validate_optimizer(config: Config) -> None:
         t.wsd_decay_fraction,
         "must be in (0, 1]",
     )
+    if t.qk_clip:
+        validate_qk_clip(config)
+
+
+def validate_qk_clip(config: Config) -> None:
+    """`train.qk_clip`: a positive threshold, and a model and plan whose every attention
+    head's peak logit reaches the update (`moe_jax.qk_clip`)."""
+    t, m = config.train, config.model
+    tau = t.qk_clip_threshold
+    check(tau > 0, "train.qk_clip_threshold", tau, "must be > 0 (the largest logit kept)")
+    check(
+        m.qk_norm != "head",
+        "model.qk_norm",
+        m.qk_norm,
+        "with train.qk_clip must be 'projection' or 'none': a per-head norm shares one "
+        "scale across heads, so no single head can be rescaled",
+    )
+    check(
+        m.mtp_depth == 0,
+        "train.qk_clip",
+        t.qk_clip,
+        "the multi-token prediction modules' attention is not clipped yet: set "
+        "model.mtp_depth=0 or train.qk_clip=false",
+    )
+    check(
+        config.parallel.stages == 1,
+        "train.qk_clip",
+        t.qk_clip,
+        "a pipeline's stages do not return the peak logits yet: set parallel.stages=1 "
+        "or train.qk_clip=false",
+    )
 
 
 def validate_documents(config: Config) -> None:

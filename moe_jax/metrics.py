@@ -28,6 +28,7 @@ TERMINAL = (
     ("aux_loss", "aux"),
     ("z_loss", "z"),
     ("grad_norm", "grad_norm"),
+    ("max_attn_logit", "max_logit"),
     ("lr", "lr"),
     ("step_time_s", "step_s"),
     ("tokens_per_sec", "tok/s"),

@@ -16,10 +16,11 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from moe_jax import optimizer
+from moe_jax import optimizer, qk_clip
 from moe_jax.config import Config
 from moe_jax.model import mtp as mtp_lib
 from moe_jax.model.loss import loss_chunks, with_loss_weights
+from moe_jax.model.transformer import split_peaks
 from moe_jax.moe.balancing import update_biases
 from moe_jax.parallel import distributed_optimizer, grad_exchange, per_device_step
 from moe_jax.parallel import mesh as mesh_lib
@@ -48,6 +49,9 @@ def init_program(config: Config, layout: Layout, shardings):
 def init_placed(config: Config, layout: Layout, shardings):
     """The initial TrainState, made by `init_program`."""
     return init_program(config, layout, shardings)()
+
+
+PEAKS = "attention_peaks"  # the metric of each attention head's peak logit, per layer
 
 
 def loss_fn(params, biases, graphdef, batch, config: Config, mtp: bool = True):
@@ -82,7 +86,10 @@ def loss_fn(params, biases, graphdef, batch, config: Config, mtp: bool = True):
         lm_loss, stats = model.chunked_loss(
             batch["inputs"], batch["targets"], chunks, positions, weights
         )
+    stats, peaks = split_peaks(stats)
     metrics = {"lm_loss": lm_loss}
+    if peaks is not None:  # per stack [units, blocks, heads]: for QK-clip (apply_gradients)
+        metrics[PEAKS] = peaks
     loss = lm_loss
     if depth:
         metrics["mtp_loss"] = mtp_loss
@@ -196,10 +203,13 @@ def accumulated(params, biases, graphdef, batch, config: Config, loss, sync=None
     # beforehand) and are summed in micro-batch order, as the carry would have summed them.
     zeros = jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32), params)
     grads, stacked = jax.lax.scan(accumulate, zeros, split)
+    peaks = stacked.pop(PEAKS, None)  # the largest over the micro-batches, not the mean
     metrics = jax.tree.map(lambda x: x[0], stacked)
     for m in range(1, micro):
         metrics = jax.tree.map(lambda total, x, m=m: total + x[m], metrics, stacked)
     metrics, grads = jax.tree.map(lambda x: x / micro, (metrics, grads))
+    if peaks is not None:
+        metrics[PEAKS] = jax.tree.map(lambda p: p.max(0), peaks)
     return _loads_times(metrics, micro), grads
 
 
@@ -245,6 +255,9 @@ def apply_gradients(config: Config, state: TrainState, metrics: dict, grads, lr)
     so XLA copies them first)."""
     metrics = dict(metrics)
     cfg = config.train
+    peaks = metrics.pop(PEAKS, None)
+    if peaks is not None:
+        metrics["max_attn_logit"] = qk_clip.peak_of(peaks)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
     if cfg.grad_clip > 0:  # optax.clip_by_global_norm's rule
@@ -267,6 +280,8 @@ def apply_gradients(config: Config, state: TrainState, metrics: dict, grads, lr)
     def update(current):
         params, opt_state, biases = current
         params, opt_state = stepped(params, opt_state)
+        if peaks is not None and cfg.qk_clip:
+            params = qk_clip.clipped(params, peaks, cfg.qk_clip_threshold, config.model)
         if "load" in metrics and rate > 0:
             biases = update_biases(biases, metrics, rate)
         return params, opt_state, biases

@@ -88,7 +88,16 @@ def _evaluate(eval_fn, state, config: config_lib.Config, sharding, rows) -> dict
 def _step_row(step: int, metrics: dict[str, Any], throughput: dict, plan: dict) -> dict:
     host = jax.device_get(metrics)
     row: dict[str, Any] = {"step": step, **plan}
-    scalars = ("loss", "lm_loss", "mtp_loss", "aux_loss", "seq_aux_loss", "z_loss", "grad_norm")
+    scalars = (
+        "loss",
+        "lm_loss",
+        "mtp_loss",
+        "aux_loss",
+        "seq_aux_loss",
+        "z_loss",
+        "grad_norm",
+        "max_attn_logit",  # train.qk_clip: the step's peak logit, before its clip
+    )
     for key in (*scalars, "lr"):
         if key in host:
             row[key] = float(host[key])

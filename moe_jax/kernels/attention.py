@@ -16,6 +16,11 @@ With `positions` [b, s] (each token's position in its document, 0 at a document'
 first token) attention stays within each document: key j is visible from query i
 when i - positions[i] <= j <= i (`document_mask`). cuDNN's attention in this jax
 takes no segment ids, so `cudnn` refuses them (config validation says so first).
+
+With `peaks` each function also returns every query head's largest visible scaled
+score (the pre-softmax logit QK-clip bounds, `moe_jax.qk_clip`): `blockwise` keeps its
+online softmax's running maxima; `xla` and `cudnn`, whose kernels return none, run a
+forward-only blockwise pass over the scores (`peak_logits`).
 """
 
 from __future__ import annotations
@@ -25,7 +30,11 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from moe_jax.kernels.blockwise_attention import blockwise_attention
+from moe_jax.kernels.blockwise_attention import (
+    blockwise_attention,
+    blockwise_attention_peaks,
+    peak_logits,
+)
 from moe_jax.kernels.requirements import attention_problems, cudnn_width_problems
 
 # attend(q, k, v, positions): positions [b, s] of the whole sequences q and k hold
@@ -104,11 +113,12 @@ def attention_fn(
     platform: str | None = None,
     width: int | None = None,
     documents: bool = False,
+    peaks: bool = False,
 ) -> Callable[..., jax.Array]:
     """The attention function for `model.attention_impl=impl` and `model.dtype=dtype`,
     or a one-line ValueError (before anything is compiled) when it cannot run here.
     `width`: the head width the core pads to (MLA); `auto` takes blockwise where cuDNN
-    cannot hold it."""
+    cannot hold it. `peaks`: it returns (output, each head's peak logit)."""
     platform = platform or jax.default_backend()
     found = attention_problems(impl, dtype, platform)
     if found:
@@ -118,8 +128,16 @@ def attention_fn(
         raise ValueError(CUDNN_NO_DOCUMENTS)
     if chosen == "cudnn" and width is not None:
         found = cudnn_width_problems(width, f"heads {width} wide")
-        if found and impl == "auto":
-            return FUNCTIONS["blockwise"]
-        if found:
+        if found and impl != "auto":
             raise ValueError(found[0])
-    return FUNCTIONS[chosen]
+        chosen = "blockwise" if found else chosen
+    if not peaks:
+        return FUNCTIONS[chosen]
+    if chosen == "blockwise":
+        return blockwise_attention_peaks
+    core = FUNCTIONS[chosen]
+
+    def with_peaks(q, k, v, scale=None, positions=None):
+        return core(q, k, v, scale, positions), peak_logits(q, k, scale, positions)
+
+    return with_peaks

@@ -119,8 +119,9 @@ def _grouped(q: jax.Array, kv_heads: int) -> jax.Array:
     return q.reshape(b, s, kv_heads, h // kv_heads, d)
 
 
-def _forward(q, k, v, scale: float | None = None, positions=None) -> tuple[jax.Array, jax.Array]:
-    """(out [b, s, heads, dv], logsumexp [b, s, kv, group] float32)."""
+def _forward(q, k, v, scale: float | None = None, positions=None) -> tuple[jax.Array, ...]:
+    """(out [b, s, heads, dv], logsumexp [b, s, kv, group] float32, each head's largest
+    visible score [heads] float32: the online softmax's row maxima, kept)."""
     qg = _grouped(q, k.shape[2])
     b, s, kv, g, _ = qg.shape
     d = v.shape[-1]  # the output's width: the values'
@@ -129,7 +130,7 @@ def _forward(q, k, v, scale: float | None = None, positions=None) -> tuple[jax.A
     low, _ = block_ranges(first, s, c)
 
     def query_block(i, carry):
-        out, lse = carry
+        out, lse, peak = carry
         qi = _block(qg, i, c)
 
         def key_block(j, state):
@@ -151,16 +152,45 @@ def _forward(q, k, v, scale: float | None = None, positions=None) -> tuple[jax.A
         # Key blocks low..i only: those above the diagonal, or before the block's
         # earliest document, are fully masked.
         top, total, acc = jax.lax.fori_loop(low[i], i + 1, key_block, init)
-        return _put(out, acc / total[..., None], i, c), _put(lse, top + jnp.log(total), i, c)
+        peak = jnp.maximum(peak, top.max((0, 1)))  # every row sees its own key: finite
+        return (
+            _put(out, acc / total[..., None], i, c),
+            _put(lse, top + jnp.log(total), i, c),
+            peak,
+        )
 
     out = (
         jnp.zeros_like(qg)
         if d == qg.shape[-1]
         else varying_zeros((*qg.shape[:-1], d), q.dtype, q, k, v)
     )
-    init = (out, _zeros((b, s, kv, g), q, k, v))
-    out, lse = jax.lax.fori_loop(0, s // c, query_block, init)
-    return out.reshape(*q.shape[:-1], d), lse
+    init = (out, _zeros((b, s, kv, g), q, k, v), _zeros((kv, g), q, k, v) - jnp.inf)
+    out, lse, peak = jax.lax.fori_loop(0, s // c, query_block, init)
+    return out.reshape(*q.shape[:-1], d), lse, peak.reshape(-1)
+
+
+def peak_logits(q, k, scale: float | None = None, positions=None) -> jax.Array:
+    """Each query head's largest visible scaled score [heads] (float32), no gradient:
+    the causal block loops of the forward with only the scores' maximum kept, for the
+    implementations whose kernel does not return it (QK-clip's statistic)."""
+    q, k = jax.lax.stop_gradient((q, k))
+    qg = _grouped(q, k.shape[2])
+    s, kv, g = qg.shape[1:4]
+    c = block_size(s)
+    first = document_starts(positions)
+    low, _ = block_ranges(first, s, c)
+
+    def query_block(i, peak):
+        qi = _block(qg, i, c)
+
+        def key_block(j, peak):
+            scores = _scores(qi, _block(k, j, c), i, j, c, scale, first)
+            return jnp.maximum(peak, scores.max((0, 1, 4)))
+
+        return jax.lax.fori_loop(low[i], i + 1, key_block, peak)
+
+    peak = jax.lax.fori_loop(0, s // c, query_block, _zeros((kv, g), q, k) - jnp.inf)
+    return peak.reshape(-1)
 
 
 def _backward(q, k, v, out, lse, grad, scale: float | None = None, positions=None):
@@ -220,8 +250,14 @@ def blockwise_attention(
 
 
 def _fwd(q, k, v, scale, positions):
-    out, lse = (checkpoint_name(t, RESIDUALS) for t in _forward(q, k, v, scale, positions))
-    return out, (q, k, v, out, lse, positions)
+    out, lse, peak = _forward(q, k, v, scale, positions)
+    out, lse = (checkpoint_name(t, RESIDUALS) for t in (out, lse))
+    return (out, peak), (q, k, v, out, lse, positions)
+
+
+def _fwd_out(q, k, v, scale, positions):
+    (out, _), residuals = _fwd(q, k, v, scale, positions)
+    return out, residuals
 
 
 def _bwd(scale, residuals, grad):
@@ -229,4 +265,19 @@ def _bwd(scale, residuals, grad):
     return (*_backward(*arrays, grad, scale, positions), None)
 
 
-blockwise_attention.defvjp(_fwd, _bwd)
+def _bwd_peaks(scale, residuals, grads):
+    return _bwd(scale, residuals, grads[0])  # the peaks carry no gradient
+
+
+blockwise_attention.defvjp(_fwd_out, _bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def blockwise_attention_peaks(q, k, v, scale: float | None = None, positions=None):
+    """(`blockwise_attention`'s output, `peak_logits`'s [heads]) from one pass: the
+    forward's running maxima are the peaks."""
+    out, _, peak = _forward(q, k, v, scale, positions)
+    return out, peak
+
+
+blockwise_attention_peaks.defvjp(_fwd, _bwd_peaks)

@@ -14,6 +14,7 @@ from moe_jax.model import remat
 from moe_jax.model.axes import param, zeros_param
 from moe_jax.model.layers import RMSNorm, cast_like, rms_norm, rotary
 from moe_jax.model.rope import NO_SCALING, RopeScaling
+from moe_jax.parallel import peaks
 from moe_jax.parallel.layout import SINGLE_DEVICE, Layout
 
 
@@ -161,15 +162,36 @@ class Attention(nnx.Module):
     def block(self) -> AttentionBlock:
         return AttentionBlock(self.rope_theta, self.norm_eps, self.rope_scaling)
 
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array):
+        """The block's output; with `layout.track_peaks` (output, each head's peak logit)."""
         w, block = self.weights(), self.block()
         # Chosen when traced, for the backend it is traced for (a config for another
         # platform can still be built and planned here).
-        documents = self.layout.documents
-        core = attention_fn(self.attention_impl, self.dtype, documents=documents)
+        layout = self.layout
+        core = attention_fn(
+            self.attention_impl,
+            self.dtype,
+            documents=layout.documents,
+            peaks=layout.track_peaks,
+        )
+        return run_block(layout, block, x, positions, w, held_axes(w), core)
 
-        def attend(q, k, v, positions):
-            masked = {"positions": positions} if documents else {}
-            return core(*remat.tag((q, k, v), remat.QKV), **masked)
 
-        return self.layout.attention(block, x, positions, w, held_axes(w), attend)
+def run_block(layout: Layout, block, x, positions, w, axes, core, **core_args):
+    """`block` run by `layout` with the attention function `core` (its keyword
+    arguments `core_args`). With `layout.track_peaks` `core` also returns each head's
+    peak logit, and so does this: (output, peaks [heads] over the whole batch)."""
+
+    def attend(q, k, v, positions):
+        masked = {"positions": positions} if layout.documents else {}
+        out = core(*remat.tag((q, k, v), remat.QKV), **core_args, **masked)
+        if layout.track_peaks:
+            out, peak = out
+            peaks.record(peak)
+        return out
+
+    if not layout.track_peaks:
+        return layout.attention(block, x, positions, w, axes, attend)
+    with peaks.recording() as seen:
+        out = layout.attention(block, x, positions, w, axes, attend)
+    return out, peaks.global_peaks(seen)

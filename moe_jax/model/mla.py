@@ -30,6 +30,7 @@ from moe_jax.config import ModelConfig
 from moe_jax.config_attention import mla_head_width
 from moe_jax.kernels.attention import Attend, attention_fn
 from moe_jax.model import remat, rope
+from moe_jax.model.attention import run_block
 from moe_jax.model.axes import param
 from moe_jax.model.layers import RMSNorm, cast_like, rms_norm, rotary
 from moe_jax.model.rope import NO_SCALING, RopeScaling
@@ -209,20 +210,17 @@ class MLAttention(nnx.Module):
             RopeScaling.of(c),
         )
 
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array):
+        """As `Attention`'s: the output, with `layout.track_peaks` also the peaks."""
         w, block = self.weights(), self.block()
         # Chosen when traced, for the backend it is traced for (see `Attention`).
-        documents = self.layout.documents
+        layout = self.layout
         core = attention_fn(
             self.cfg.attention_impl,
             self.cfg.dtype,
             width=mla_head_width(self.cfg),
-            documents=documents,
+            documents=layout.documents,
+            peaks=layout.track_peaks,
         )
-        scale = block.softmax_scale
-
-        def attend(q, k, v, positions):
-            masked = {"positions": positions} if documents else {}
-            return core(*remat.tag((q, k, v), remat.QKV), scale=scale, **masked)
-
-        return self.layout.attention(block, x, positions, w, held_axes(w), attend)
+        axes = held_axes(w)
+        return run_block(layout, block, x, positions, w, axes, core, scale=block.softmax_scale)

@@ -9,6 +9,8 @@ own way (a pipeline over stages, applied from outside: `moe_jax.parallel.pipelin
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -25,6 +27,23 @@ from moe_jax.moe.block import MoE, MoEStats
 from moe_jax.parallel.layout import SINGLE_DEVICE, Layout, Parts
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class WithPeaks:
+    """A block's, unit's or model's statistics where attention's peak logits are
+    tracked (`Layout.track_peaks`, for QK-clip): the MoE statistics as without them,
+    and the peaks: [heads] for a block, [blocks, heads] for a unit, stacked over a
+    stack's units, and per stack name for the model (`Transformer.features`)."""
+
+    moe: MoEStats | None
+    peaks: jax.Array | dict
+
+
+def split_peaks(stats):
+    """(the MoE statistics, the peaks or None) of statistics with or without peaks."""
+    return (stats.moe, stats.peaks) if isinstance(stats, WithPeaks) else (stats, None)
+
+
 class Block(nnx.Module):
     """x + attn(norm(x)), then + ffn(norm(x)); the ffn is a dense MLP or an MoE."""
 
@@ -39,11 +58,15 @@ class Block(nnx.Module):
             self.ffn = MoE(cfg.embed_dim, moe, rngs=rngs, layout=layout)
 
     def __call__(self, x: jax.Array, positions: jax.Array):
-        x = remat.tag(x + self.attn(self.attn_norm(x), positions), remat.FFN_INPUT)
+        attended, peaks = self.attn(self.attn_norm(x), positions), None
+        if isinstance(attended, tuple):
+            attended, peaks = attended
+        x = remat.tag(x + attended, remat.FFN_INPUT)
         out = self.ffn(self.ffn_norm(x))
         stats = None
         if isinstance(out, tuple):
             out, stats = out
+        stats = stats if peaks is None else WithPeaks(stats, peaks)
         return remat.tag(x + out, remat.LAYER_INPUT), stats
 
 
@@ -56,11 +79,13 @@ class Unit(nnx.Module):
         )
 
     def __call__(self, x: jax.Array, positions: jax.Array):
-        stats = None
+        stats, peaks = None, []
         for block in self.blocks:
             x, block_stats = block(x, positions)
+            block_stats, block_peaks = split_peaks(block_stats)
             stats = block_stats if block_stats is not None else stats
-        return x, stats
+            peaks += [] if block_peaks is None else [block_peaks]
+        return x, WithPeaks(stats, jnp.stack(peaks)) if peaks else stats
 
 
 def stacks(cfg: ModelConfig) -> dict[str, tuple[int, tuple[bool, ...]]]:
@@ -161,19 +186,18 @@ class Transformer(nnx.Module):
         """tokens [batch, seq] -> (the final-normed hidden states, stacked MoE stats);
         `positions` [batch, seq]: each token's in its document (a batch's 'positions'
         under a document mask), else 0, 1, 2, ..."""
-        x, positions = self._prefix(tokens, positions)
-        stats = None
-        if self.moe is not None:
-            x, stats = self.moe(x, positions)
-        return self.final_norm(x), stats
-
-    def _prefix(self, tokens: jax.Array, positions: jax.Array | None):
-        """(the embedded tokens through the dense prefix, the positions the blocks take)."""
         positions = self.layout.positions(tokens, positions)
         x = self.embed(tokens, jnp.dtype(self.cfg.dtype))
-        if self.dense is not None:
-            x, _ = self.dense(x, positions)
-        return x, positions
+        stats, peaks = None, {}
+        for name in ("dense", "moe"):  # in layer order
+            stack = getattr(self, name)
+            if stack is not None:
+                x, stack_stats = stack(x, positions)
+                stack_stats, peaks[name] = split_peaks(stack_stats)
+                stats = stack_stats if name == "moe" else stats
+        if self.layout.track_peaks:
+            stats = WithPeaks(stats, peaks)
+        return self.final_norm(x), stats
 
     def output_weights(self) -> jax.Array:
         """The output head [embed, vocab] in the compute dtype (the embedding when tied)."""

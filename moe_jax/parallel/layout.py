@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from moe_jax.moe.dispatcher import TokenDispatcher
-from moe_jax.parallel import layer_sync
+from moe_jax.parallel import layer_sync, peaks
 from moe_jax.parallel.scopes import DOCUMENT_POSITIONS
 from moe_jax.parallel.spec import AttentionSpec, ExpertSpec, VocabSpec
 
@@ -149,6 +149,9 @@ class Layout:
     # data.document_mask on a source with documents: the batch's positions restart at
     # each document and attention stays within one (`moe_jax.data.documents`).
     documents: bool = False
+    # train.qk_clip: attention blocks also return each head's peak logit
+    # (`moe_jax.parallel.peaks`), for the clip after the update (`moe_jax.qk_clip`).
+    track_peaks: bool = False
 
     @property
     def stages(self) -> int:
@@ -193,7 +196,16 @@ class Layout:
     def block_map(self, body, in_specs, out_specs):
         """`body` run per device by a shard_map over the mesh with these specs; inside the
         step-wide shard_map (`per_device`) the body itself, since its arguments are
-        already the per-device pieces those specs describe."""
+        already the per-device pieces those specs describe. An attention block whose
+        peak logits are recorded (`moe_jax.parallel.peaks`) returns them too, each
+        head's maximum over the mesh, and records them outside."""
+        if peaks.recording_now():
+            n = self.size(INTRA) if self.attention_spec.heads_split else 1
+            body = peaks.returning(body, INTRA, n)
+            return peaks.recorded(self._map(body, in_specs, (out_specs, P())))
+        return self._map(body, in_specs, out_specs)
+
+    def _map(self, body, in_specs, out_specs):
         if self.per_device:
             return body
         return jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)

@@ -58,6 +58,7 @@ def make_layout(config: Config, mesh: Mesh) -> Layout:
         repeats=config.parallel.repeats,
         zero=config.parallel.zero,
         documents=documents_masked(config.data),
+        track_peaks=config.train.qk_clip,
     )
 
 

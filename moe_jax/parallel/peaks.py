@@ -1,0 +1,77 @@
+"""Each attention head's peak logit out of the layout that runs it (QK-clip's
+statistic, `train.qk_clip`).
+
+Why a recorder: the peak is found where attention runs, inside a layout's block on
+the heads and sequences one device holds, and a layout's block function returns only
+the block's output. Rather than every layout threading a second output through its
+shard_map, the model's attention function `record`s its peaks while the block runs
+(`recording`), and `Layout.block_map` returns them out of the block's shard_map,
+reduced there to every head's maximum over all devices (`global_peaks`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+
+from moe_jax.kernels.varying import varying_axes
+
+_OPEN: list[list[jax.Array]] = []  # the recordings open, innermost last
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[jax.Array]]:
+    """The peaks `record`ed while the block runs (one per attention call: a layout that
+    attends chunk by chunk records each chunk's)."""
+    seen: list[jax.Array] = []
+    _OPEN.append(seen)
+    try:
+        yield seen
+    finally:
+        _OPEN.pop()
+
+
+def recording_now() -> bool:
+    return bool(_OPEN)
+
+
+def record(peak: jax.Array) -> None:
+    _OPEN[-1].append(peak)
+
+
+def global_peaks(seen: list[jax.Array], heads_axis=None, shards: int = 1) -> jax.Array:
+    """[heads] float32: the largest of `seen`, each device's heads put in place when
+    the heads are split in `shards` contiguous blocks over mesh `heads_axis`, then the
+    maximum over every mesh axis it varies over (inside shard_map; outside, itself)."""
+    peak = jax.lax.stop_gradient(jnp.max(jnp.stack(seen), 0))
+    if heads_axis is not None and shards > 1:
+        whole = jnp.full((peak.shape[0] * shards,), -jnp.inf, peak.dtype)
+        start = jax.lax.axis_index(heads_axis) * peak.shape[0]
+        peak = jax.lax.dynamic_update_slice(whole, peak, (start,))
+    axes = tuple(sorted(varying_axes(peak)))
+    return jax.lax.pmax(peak, axes) if axes else peak
+
+
+def returning(body: Callable, heads_axis, shards: int) -> Callable:
+    """`body` -> (its output, the global peaks recorded while it ran)."""
+
+    def run(*args):
+        with recording() as seen:
+            out = body(*args)
+        return out, global_peaks(seen, heads_axis, shards)
+
+    return run
+
+
+def recorded(fn: Callable) -> Callable:
+    """`fn` -> (out, peaks) as its output alone, the peaks `record`ed."""
+
+    def run(*args):
+        out, peak = fn(*args)
+        record(peak)
+        return out
+
+    return run
