@@ -227,13 +227,6 @@ def validate_qk_clip(config: Config) -> None:
         "the multi-token prediction modules' attention is not clipped yet: set "
         "model.mtp_depth=0 or train.qk_clip=false",
     )
-    check(
-        config.parallel.stages == 1,
-        "train.qk_clip",
-        t.qk_clip,
-        "a pipeline's stages do not return the peak logits yet: set parallel.stages=1 "
-        "or train.qk_clip=false",
-    )
 
 
 def validate_documents(config: Config) -> None:

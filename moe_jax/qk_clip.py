@@ -21,6 +21,8 @@ The float32 master weights are the only copy, so the clip is exact.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -37,9 +39,12 @@ def factors(peaks: jax.Array, tau: float) -> jax.Array:
 
 
 def _along_heads(scale: jax.Array, leaf: jax.Array) -> jax.Array:
-    """[units, heads] factors shaped to multiply `leaf` [units, ..., heads, width]."""
+    """[units, heads] factors shaped to multiply `leaf` [units, ..., heads, width], its
+    units held as one axis or, by a pipeline with repeats, as [repeats, units / repeats]
+    (a reshape of the canonical order, `pipeline.canonical`)."""
     units, heads = scale.shape
-    return scale.reshape(units, *([1] * (leaf.ndim - 3)), heads, 1)
+    lead = next(k for k in range(1, leaf.ndim) if math.prod(leaf.shape[:k]) == units)
+    return scale.reshape(*leaf.shape[:lead], *([1] * (leaf.ndim - lead - 2)), heads, 1)
 
 
 def _gqa(name: str, leaf: jax.Array, gamma: jax.Array, cfg: ModelConfig) -> jax.Array:

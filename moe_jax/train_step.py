@@ -24,6 +24,7 @@ from moe_jax.model.transformer import split_peaks
 from moe_jax.moe.balancing import update_biases
 from moe_jax.parallel import distributed_optimizer, grad_exchange, per_device_step
 from moe_jax.parallel import mesh as mesh_lib
+from moe_jax.parallel import peaks as peaks_lib
 from moe_jax.parallel.layout import Layout
 from moe_jax.train_state import TrainState, init_state
 
@@ -51,7 +52,7 @@ def init_placed(config: Config, layout: Layout, shardings):
     return init_program(config, layout, shardings)()
 
 
-PEAKS = "attention_peaks"  # the metric of each attention head's peak logit, per layer
+PEAKS = peaks_lib.METRIC  # the metric of each attention head's peak logit, per layer
 
 
 def loss_fn(params, biases, graphdef, batch, config: Config, mtp: bool = True):

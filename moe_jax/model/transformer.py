@@ -9,8 +9,6 @@ own way (a pipeline over stages, applied from outside: `moe_jax.parallel.pipelin
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -25,23 +23,7 @@ from moe_jax.model.mla import MLAttention
 from moe_jax.model.mtp import MTP
 from moe_jax.moe.block import MoE, MoEStats
 from moe_jax.parallel.layout import SINGLE_DEVICE, Layout, Parts
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class WithPeaks:
-    """A block's, unit's or model's statistics where attention's peak logits are
-    tracked (`Layout.track_peaks`, for QK-clip): the MoE statistics as without them,
-    and the peaks: [heads] for a block, [blocks, heads] for a unit, stacked over a
-    stack's units, and per stack name for the model (`Transformer.features`)."""
-
-    moe: MoEStats | None
-    peaks: jax.Array | dict
-
-
-def split_peaks(stats):
-    """(the MoE statistics, the peaks or None) of statistics with or without peaks."""
-    return (stats.moe, stats.peaks) if isinstance(stats, WithPeaks) else (stats, None)
+from moe_jax.parallel.peaks import WithPeaks, split_peaks
 
 
 class Block(nnx.Module):
@@ -284,17 +266,25 @@ class Transformer(nnx.Module):
             total += sum(stats_loss(s) for s in mtp_stats if s is not None)
             return total, {"lm_loss": lm, "mtp_loss": mtp_loss, "mtp_stats": mtp_stats}
 
-        stats_loss = lambda stats: stats.loss(self.moe_cfg)
+        stats_loss = lambda stats: split_peaks(stats)[0].loss(self.moe_cfg)
 
         def prefix(prefix_params, tokens, positions):
             embed, dense = prefix_params
             x = nnx.merge(graph(self.embed), embed)(tokens, dtype)
-            return x if dense is None else nnx.merge(graph(self.dense), dense)(x, positions)[0]
+            if dense is None:
+                return x, None
+            x, stats = nnx.merge(graph(self.dense), dense)(x, positions)
+            return x, split_peaks(stats)[1]
 
         prefix_params = (state(self.embed), state(self.dense))
         tail_params = (stored, *map(state, modules))
         args = (prefix, prefix_params, tail, tail_params, data, stats_loss)
-        return self.moe.with_loss(tokens, given, *args)
+        objective, metrics, stats = self.moe.with_loss(tokens, given, *args)
+        if isinstance(stats, WithPeaks):  # the stack's peaks and the dense prefix's
+            stack, dense = stats.peaks
+            peaks = {"moe": stack} if dense is None else {"dense": dense, "moe": stack}
+            stats = WithPeaks(stats.moe, peaks)
+        return objective, metrics, stats
 
     def __call__(
         self, tokens: jax.Array, positions: jax.Array | None = None

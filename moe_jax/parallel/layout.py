@@ -26,14 +26,14 @@ from jax.sharding import PartitionSpec as P
 
 from moe_jax.moe.dispatcher import TokenDispatcher
 from moe_jax.parallel import layer_sync, peaks
+from moe_jax.parallel.mesh_axes import ALL, INTRA, STAGE
+from moe_jax.parallel.mesh_axes import DATA as DATA  # the axis names, also from here
+from moe_jax.parallel.mesh_axes import EVERY as EVERY
+from moe_jax.parallel.mesh_axes import EXPERT as EXPERT
+from moe_jax.parallel.mesh_axes import MESH_AXES as MESH_AXES
+from moe_jax.parallel.mesh_axes import TENSOR as TENSOR
 from moe_jax.parallel.scopes import DOCUMENT_POSITIONS
 from moe_jax.parallel.spec import AttentionSpec, ExpertSpec, VocabSpec
-
-STAGE, DATA, EXPERT, TENSOR = "stage", "data", "expert", "tensor"
-INTRA = (EXPERT, TENSOR)  # the intra-node group as one axis
-MESH_AXES = (STAGE, DATA, EXPERT, TENSOR)
-ALL = (DATA, *INTRA)  # the devices of one pipeline stage
-EVERY = (STAGE, *ALL)  # the whole mesh
 
 
 def axes_of(entry) -> tuple[str, ...]:
@@ -91,8 +91,9 @@ class Parts(NamedTuple):
     `tail(tail_params, y, data) -> (loss, metrics)` on one micro-batch's stack output
     and its part of the data (the loss carries the gradient, the metrics are
     averaged), `stats_loss(stats)`, the loss's MoE terms (linear in the statistics),
-    and `prefix(prefix_params, tokens, positions) -> x`, the stack's input (the
-    embedding and the dense layers before the stack) of the micro-batches given."""
+    and `prefix(prefix_params, tokens, positions) -> (x, peaks)`, the stack's input (the
+    embedding and the dense layers before the stack) of the micro-batches given, and the
+    dense layers' attention peaks (`moe_jax.parallel.peaks`; None where not tracked)."""
 
     run_group: Callable
     tail: Callable

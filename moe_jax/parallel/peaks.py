@@ -12,13 +12,16 @@ reduced there to every head's maximum over all devices (`global_peaks`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
 
 from moe_jax.kernels.varying import varying_axes
+from moe_jax.parallel.mesh_axes import STAGE
 
+METRIC = "attention_peaks"  # the step's metric of each layer's peaks (`train_step.loss_fn`)
 _OPEN: list[list[jax.Array]] = []  # the recordings open, innermost last
 
 
@@ -51,7 +54,8 @@ def global_peaks(seen: list[jax.Array], heads_axis=None, shards: int = 1) -> jax
         whole = jnp.full((peak.shape[0] * shards,), -jnp.inf, peak.dtype)
         start = jax.lax.axis_index(heads_axis) * peak.shape[0]
         peak = jax.lax.dynamic_update_slice(whole, peak, (start,))
-    axes = tuple(sorted(varying_axes(peak)))
+    # not over a pipeline's stages: they hold different layers (`pipeline.mean_stats`)
+    axes = tuple(sorted(varying_axes(peak) - {STAGE}))
     return jax.lax.pmax(peak, axes) if axes else peak
 
 
@@ -75,3 +79,31 @@ def recorded(fn: Callable) -> Callable:
         return out
 
     return run
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class WithPeaks:
+    """A block's, unit's or model's statistics where the peaks are tracked
+    (`Layout.track_peaks`): the MoE statistics as without them (or None), and the
+    peaks: [heads] for a block, [blocks, heads] for a unit, stacked over a stack's
+    units, and per stack name for the model (`Transformer.features`)."""
+
+    moe: object
+    peaks: jax.Array | dict
+
+
+def split_peaks(stats):
+    """(the MoE statistics, the peaks or None) of statistics with or without peaks."""
+    return (stats.moe, stats.peaks) if isinstance(stats, WithPeaks) else (stats, None)
+
+
+def max_over_devices(peaks):
+    """`peaks` (a tree) as their maximum over every mesh axis they still vary over: a
+    step's metric, after a pipeline's stages have each put in their own layers'."""
+
+    def top(x):
+        axes = tuple(sorted(varying_axes(x)))
+        return jax.lax.pmax(jax.lax.stop_gradient(x), axes) if axes else x
+
+    return jax.tree.map(top, peaks)

@@ -25,7 +25,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from moe_jax.kernels.varying import varying_axes
-from moe_jax.parallel import distributed_optimizer, grad_exchange, pipeline
+from moe_jax.parallel import distributed_optimizer, grad_exchange, peaks, pipeline
 from moe_jax.parallel.grad_exchange import is_spec, summed_axes
 from moe_jax.parallel.layer_sync import Synced
 from moe_jax.parallel.layout import EVERY, Layout
@@ -60,7 +60,10 @@ def mean_over_devices(loss_fn):
 
     def mean_loss(*args):
         loss, metrics = loss_fn(*args)
-        return _mean_of(loss), jax.tree.map(_mean_of, metrics)
+        metrics = dict(metrics)
+        top = {} if peaks.METRIC not in metrics else {peaks.METRIC: metrics.pop(peaks.METRIC)}
+        top = peaks.max_over_devices(top)  # a maximum, not a mean
+        return _mean_of(loss), {**jax.tree.map(_mean_of, metrics), **top}
 
     return mean_loss
 

@@ -46,6 +46,7 @@ from jax.sharding import PartitionSpec as P
 
 from moe_jax.kernels.varying import varying_like
 from moe_jax.parallel.layout import STAGE, Layout
+from moe_jax.parallel.peaks import WithPeaks, split_peaks
 from moe_jax.parallel.scopes import DOCUMENT_POSITIONS, PIPELINE, STAGE_SEND
 
 # The held stack's leading logical axes: [repeats, layers / repeats, ...], the second
@@ -127,10 +128,8 @@ def _run(layout: Layout, run_group, params, rest, x, positions, bubble: float):
     stage_fn = jax.checkpoint(stage_fn)
     stats_shape = jax.eval_shape(stage_fn, params, rest, xs[0], 0)[1]
     per_stage = jax.tree.leaves(params)[0].shape[1]
-    total = jax.tree.map(
-        lambda s: jnp.zeros((repeats * stages * per_stage, *s.shape[1:]), s.dtype), stats_shape
-    )
-    total = varying_like(total, xs, jnp.asarray(me), *jax.tree.leaves(params))
+    like = (xs, jnp.asarray(me), *jax.tree.leaves(params))
+    total = empty_stats(stats_shape, repeats * stages * per_stage, like)
     ring = [(j, (j + 1) % stages) for j in range(stages)]
 
     def tick(carry, t):
@@ -154,20 +153,47 @@ def _run(layout: Layout, run_group, params, rest, x, positions, bubble: float):
     )
     buffer = _keep_returned(buffer, received, first, m - 1)
     y = _scatter_from_first(buffer, stages, k, me)
-    stats = jax.tree.map(lambda s: jax.lax.psum(s, STAGE) / m, total)
-    return y.reshape(x.shape), stats
+    return y.reshape(x.shape), mean_stats(total, m)
+
+
+def empty_stats(shape, rows: int, like: tuple):
+    """Accumulators [rows, ...] for statistics of `shape` ([U / (R S), ...] per
+    statistic): zeros, and -inf for attention's peaks (`moe_jax.parallel.peaks`),
+    varying like the arrays `like`."""
+    moe, peak = split_peaks(shape)
+    empty = lambda fill: lambda s: jnp.full((rows, *s.shape[1:]), fill, s.dtype)
+    total = jax.tree.map(empty(0), moe)
+    if peak is not None:
+        total = WithPeaks(total, jax.tree.map(empty(-jnp.inf), peak))
+    return varying_like(total, *like)
 
 
 def add_stats(total, stats, start, valid):
     """`total` ([U, ...] per statistic) with a group's `stats` ([U / (R S), ...]) added
-    at rows `start` onwards where `valid` (a bubble's are left out)."""
+    at rows `start` onwards where `valid` (a bubble's are left out); peaks by their
+    maximum."""
 
-    def add(acc, s):
-        rows = jax.lax.dynamic_slice_in_dim(acc, start, s.shape[0])
-        rows = rows + jnp.where(valid, s, jnp.zeros_like(s))
-        return jax.lax.dynamic_update_slice_in_dim(acc, rows, start, axis=0)
+    def into(combine, nothing):
+        def put(acc, s):
+            rows = jax.lax.dynamic_slice_in_dim(acc, start, s.shape[0])
+            rows = combine(rows, jnp.where(valid, s, jnp.full_like(s, nothing)))
+            return jax.lax.dynamic_update_slice_in_dim(acc, rows, start, axis=0)
 
-    return jax.tree.map(add, total, stats)
+        return put
+
+    (moe, peak), (moe_s, peak_s) = split_peaks(total), split_peaks(stats)
+    moe = jax.tree.map(into(jnp.add, 0), moe, moe_s)
+    return moe if peak is None else WithPeaks(moe, into(jnp.maximum, -jnp.inf)(peak, peak_s))
+
+
+def mean_stats(total, m: int):
+    """The statistics of a stage's rows as every stage has them: the mean over the `m`
+    micro-batches, the peaks' maximum."""
+    moe, peak = split_peaks(total)
+    moe = jax.tree.map(lambda s: jax.lax.psum(s, STAGE) / m, moe)
+    if peak is None:
+        return moe
+    return WithPeaks(moe, jax.lax.pmax(jax.lax.stop_gradient(peak), STAGE))
 
 
 def stage_rows(b: jax.Array, repeats: int, stages: int) -> jax.Array:

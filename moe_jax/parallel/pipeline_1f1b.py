@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from moe_jax.kernels.varying import varying_axes, varying_like, varying_zeros
 from moe_jax.parallel import pipeline
 from moe_jax.parallel.layout import STAGE, Layout, Parts
+from moe_jax.parallel.peaks import WithPeaks, split_peaks
 from moe_jax.parallel.pipeline_schedule import NONE, ROWS, Table, one_f_one_b
 from moe_jax.parallel.scopes import DOCUMENT_POSITIONS, PIPELINE, STAGE_SEND
 
@@ -96,8 +97,9 @@ def _forward_only(layout, parts, params, tail_params, prefix_params, rest, token
     """The same objective by the prefix on the stage's own micro-batches, GPipe's forward
     and the tail on each of them, one at a time (its mean over all devices equals the
     loop's)."""
-    x = parts.prefix(prefix_params, tokens, positions)
+    x, prefix_peaks = parts.prefix(prefix_params, tokens, positions)
     y, stats = pipeline.run(layout, parts.run_group, params, rest, x, positions)
+    stats = _with_prefix(stats, prefix_peaks)
     k = layout.microbatches // layout.stages
     per_micro = lambda a: a.reshape(k, a.shape[0] // k, *a.shape[1:])
     items = (per_micro(y), jax.tree.map(per_micro, data))
@@ -133,7 +135,8 @@ def _one_f_one_b(
         return positions if every is None else item(every, i)
 
     def first(hp, i):
-        """Micro-batch i's input to virtual stage 0: its embedding and dense prefix."""
+        """Micro-batch i's input to virtual stage 0, its embedding and dense prefix, and
+        the prefix's attention peaks (None where they are not tracked)."""
         return prefix(hp, item(every_token, i), positions_of(i))
 
     def stage_fn(local, x, i, r):
@@ -143,14 +146,13 @@ def _one_f_one_b(
     def repeat_of(r):
         return jax.tree.map(lambda p: jax.lax.dynamic_index_in_dim(p, r, 0, False), held)
 
-    x_shape = jax.eval_shape(first, prefix_params, 0)
+    x_shape, peaks_shape = jax.eval_shape(first, prefix_params, 0)
     stats_shape = jax.eval_shape(lambda p, x: stage_fn(p, x, 0, 0)[1], repeat_of(0), x_shape)
     per_stage = jax.tree.leaves(held)[0].shape[1]
     like = (tokens, jnp.asarray(me), *jax.tree.leaves(held))
-    zeros = jax.tree.map(
-        lambda s: jnp.zeros((repeats * stages * per_stage, *s.shape[1:]), s.dtype), stats_shape
-    )
-    total = varying_like(zeros, *like)
+    no_peaks = jax.tree.map(lambda s: jnp.full(s.shape, -jnp.inf, s.dtype), peaks_shape)
+    prefix_peaks = no_peaks = varying_like(no_peaks, *like)
+    total = pipeline.empty_stats(stats_shape, repeats * stages * per_stage, like)
 
     def stats_seed(stats):
         """The objective's gradient for one item's statistics, as autodiff of their
@@ -176,7 +178,7 @@ def _one_f_one_b(
     rows = {name: jnp.asarray(getattr(sched, name)) for name in ROWS}
 
     def tick(carry, row):
-        inbox, gbox, received, returned, g_params, g_tail, g_prefix, total, sums, loss_sum = carry
+        inbox, gbox, received, returned, g_params, g_tail, g_prefix, totals, sums, loss_sum = carry
         at = {name: row[name][me] for name in ROWS}
         inbox = _put(inbox, at["arrive_slot"], received)
         gbox = _put(gbox, at["gradient_arrive_slot"], returned)
@@ -187,19 +189,24 @@ def _one_f_one_b(
         f_on, i, r = at["forward"] != NONE, jnp.maximum(at["forward"], 0), at["forward_repeat"]
         r = jnp.maximum(r, 0)
 
-        def forward(total):
+        def forward(totals):
+            total, prefix_peaks = totals
             x_in = _kept(inbox, at["forward_slot"])
-            embedded = jax.lax.cond(
+            embedded, peaks = jax.lax.cond(
                 starts("forward"),
                 lambda: varying_like(first(prefix_params, i), *like),
-                lambda: zeros_x,
+                lambda: (zeros_x, no_peaks),
             )
+            opens = f_on & (at["forward_slot"] == NONE)  # this device ran the prefix
+            keep = lambda acc, p: jnp.maximum(acc, jnp.where(opens, p, -jnp.inf))
+            prefix_peaks = jax.tree.map(keep, prefix_peaks, peaks)
             x_in = jnp.where(f_on, jnp.where(at["forward_slot"] == NONE, embedded, x_in), zeros_x)
             y, stats = stage_fn(repeat_of(r), x_in, i, r)
-            return pipeline.add_stats(total, stats, (r * stages + me) * per_stage, f_on), y
+            total = pipeline.add_stats(total, stats, (r * stages + me) * per_stage, f_on)
+            return (total, prefix_peaks), y
 
-        total, y = jax.lax.cond(
-            (row["forward"] != NONE).any(), forward, lambda t: (t, zeros_x), total
+        totals, y = jax.lax.cond(
+            (row["forward"] != NONE).any(), forward, lambda t: (t, zeros_x), totals
         )
         on_loss = at["loss"] > 0
 
@@ -235,7 +242,7 @@ def _one_f_one_b(
                 return pull((varying_like(dy, y), seed))
 
             def through_prefix(g_prefix):
-                x, pull_prefix = jax.vjp(lambda hp: first(hp, j), prefix_params)
+                x, pull_prefix = jax.vjp(lambda hp: first(hp, j)[0], prefix_params)
                 x = jnp.where(is_first, x, x_in)
                 d_local, dx = pulled(repeat_of(rb), jnp.where(b_on, x, zeros_x))
                 mask = lambda d: jnp.where(is_first, d, jnp.zeros_like(d))
@@ -261,17 +268,29 @@ def _one_f_one_b(
         with jax.named_scope(STAGE_SEND):
             sent = jax.lax.ppermute(y, STAGE, ring)
             sent_back = jax.lax.ppermute(dx, STAGE, back)
-        carry = (inbox, gbox, sent, sent_back, g_params, g_tail, g_prefix, total, sums, loss_sum)
+        carry = (inbox, gbox, sent, sent_back, g_params, g_tail, g_prefix, totals, sums, loss_sum)
         return carry, None
 
-    carry = (inbox, gbox, zeros_x, zeros_x, g_params, g_tail, g_prefix, total, sums, loss_sum)
+    totals = (total, prefix_peaks)
+    carry = (inbox, gbox, zeros_x, zeros_x, g_params, g_tail, g_prefix, totals, sums, loss_sum)
     carry, _ = jax.lax.scan(tick, carry, rows)
-    _, _, _, _, g_params, g_tail, g_prefix, total, sums, loss_sum = carry
+    _, _, _, _, g_params, g_tail, g_prefix, (total, prefix_peaks), sums, loss_sum = carry
     if repeats == 1:
         g_params = jax.tree.map(lambda g: g[0], g_params)
-    stats, metrics = (jax.tree.map(lambda s: jax.lax.psum(s, STAGE) / m, t) for t in (total, sums))
+    stats = _with_prefix(pipeline.mean_stats(total, m), prefix_peaks)
+    metrics = jax.tree.map(lambda s: jax.lax.psum(s, STAGE) / m, sums)
     objective = scale * (loss_sum + stats_loss(total))
     return (objective, metrics, stats), (g_params, g_tail, g_prefix)
+
+
+def _with_prefix(stats, prefix_peaks):
+    """The stack's statistics with attention's peaks (`moe_jax.parallel.peaks`) as the
+    pair (the stack's, the prefix's over every stage); without peaks `stats`."""
+    moe, peak = split_peaks(stats)
+    if peak is None:
+        return stats
+    top = lambda p: jax.lax.pmax(jax.lax.stop_gradient(p), STAGE)
+    return WithPeaks(moe, (peak, jax.tree.map(top, prefix_peaks)))
 
 
 def _typed_like(g, primal):
