@@ -220,13 +220,6 @@ def validate_qk_clip(config: Config) -> None:
         "with train.qk_clip must be 'projection' or 'none': a per-head norm shares one "
         "scale across heads, so no single head can be rescaled",
     )
-    check(
-        m.mtp_depth == 0,
-        "train.qk_clip",
-        t.qk_clip,
-        "the multi-token prediction modules' attention is not clipped yet: set "
-        "model.mtp_depth=0 or train.qk_clip=false",
-    )
 
 
 def validate_documents(config: Config) -> None:

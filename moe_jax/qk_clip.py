@@ -73,15 +73,19 @@ def _mla(name: str, leaf: jax.Array, gamma: jax.Array, cfg: ModelConfig) -> jax.
 
 def clipped(params, peaks: dict, tau: float, cfg: ModelConfig):
     """`params` with each stack's attention rescaled by its `peaks` ({stack name:
-    [units, blocks, heads]}, `Transformer.features`)."""
+    [units, blocks, heads]}, `Transformer.features`; the MTP modules' 'mtp': [depths,
+    heads], `mtp.merged`)."""
     rescale = _mla if cfg.attention == "mla" else _gqa
 
     def clip(path, leaf):
         keys = [getattr(p, "key", getattr(p, "idx", None)) for p in path]
         if len(keys) < 6 or keys[0] not in peaks or keys[4] != "attn":
             return leaf
-        stack, _, _, block, _, name = keys[:6]
-        gamma = factors(peaks[stack][:, block], tau)
+        name = keys[5]
+        if keys[0] == "mtp":  # ['mtp']['layers'][k]['block']: depth k's block, no stack axis
+            gamma = factors(peaks["mtp"][keys[2]], tau)[None]
+            return rescale(name, leaf[None], gamma, cfg)[0].astype(leaf.dtype)
+        gamma = factors(peaks[keys[0]][:, keys[3]], tau)  # ['units']['blocks'][b]
         return rescale(name, leaf, gamma, cfg).astype(leaf.dtype)
 
     return jax.tree_util.tree_map_with_path(clip, params)

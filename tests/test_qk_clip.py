@@ -35,6 +35,7 @@ from tests.layouts import (
     with_plan,
 )
 from tests.pipelined import one_device, pipelined
+from tests.test_mtp import BASE as MTP_BASE
 
 TRACKED = dataclasses.replace(SINGLE_DEVICE, track_peaks=True)
 
@@ -97,14 +98,15 @@ MODELS = {
 
 
 @pytest.mark.parametrize("model", MODELS)
-@pytest.mark.parametrize("stack", ["dense", "moe"])
+@pytest.mark.parametrize("stack", ["dense", "moe", "mtp"])
 def test_clip_brings_each_head_that_passed_to_the_threshold(model: str, stack: str):
-    """One stack clipped (a dense layer, then an MoE layer: the clip of a layer changes
-    the next layer's inputs, so each is checked on unchanged ones): the same tokens'
-    peak of each of its heads is then min(peak, τ), the heads over τ at it and the
-    others (in a kv group with a clipped head too) unchanged, and no weight but its
-    queries' and keys' (or their norms') changes."""
-    two = dict(num_layers=2, first_k_dense=1, mlp_dim=32, **MODELS[model])
+    """One stack clipped (a dense layer, an MoE layer, a multi-token prediction module:
+    the clip of a layer changes the next layer's inputs, so each is checked on
+    unchanged ones): the same tokens' peak of each of its heads is then min(peak, τ),
+    the heads over τ at it and the others (in a kv group with a clipped head too)
+    unchanged, and no weight but its queries' and keys' (or their norms') changes."""
+    two = dict(num_layers=2, first_k_dense=1, mlp_dim=32, mtp_depth=int(stack == "mtp"))
+    two.update(MODELS[model])
     config = _clipping(on_ragged_dot(BASE), 1.0, **two)
     graphdef, state = init_state(config, TRACKED)
     before = _peaks(config, state.params, state.biases, graphdef)
@@ -157,27 +159,21 @@ def test_logged_peak_stays_at_the_threshold_and_passes_it_without_the_clip():
 LAYOUTS = {
     "tp+etp": with_plan("tp", 2, 4, "etp"),  # heads over the intra group, GSPMD
     "sp+ep_a2a,zero=2": with_plan("sp", 2, 4, "ep_a2a", zero=2),  # heads split, per device
-    "dp,mla": with_plan(
-        "dp",
-        8,
-        1,
-        base=dataclasses.replace(BASE, model=dataclasses.replace(BASE.model, **MLA_MODEL)),
-    ),
 }
 
 
-def _schedule(schedule: str) -> config_lib.Config:
-    """2 stages, 4 micro-batches, 2 repeats, a dense first layer (the prefix 1F1B runs
-    inside its loop): the pipeline tests' model."""
-    config = pipelined(2, 1, 4, 4, repeats=2)
-    return dataclasses.replace(
-        config, parallel=dataclasses.replace(config.parallel, schedule=schedule)
-    )
+def _schedule(schedule: str, base: config_lib.Config) -> config_lib.Config:
+    """2 stages, 4 micro-batches, 2 repeats of `base` (a dense first layer: GPipe runs
+    it before the pipeline, each stage on its own rows, 1F1B inside its loop)."""
+    plan = dataclasses.replace(pipelined(2, 1, 4, 4, repeats=2).parallel, schedule=schedule)
+    train = dataclasses.replace(base.train, grad_accum=1)
+    return dataclasses.replace(base, train=train, parallel=plan)
 
 
-LAYOUTS.update(gpipe=_schedule("gpipe"), **{"1f1b": _schedule("1f1b")})
-# the one-device run of the same micro-batches, for each
-REFERENCE = {"gpipe": one_device(4), "1f1b": one_device(4)}
+# 1F1B with the MTP tests' model: its two MTP modules run inside the tick loop's tail.
+LAYOUTS.update(gpipe=_schedule("gpipe", one_device(4)), **{"1f1b,mtp": _schedule("1f1b", MTP_BASE)})
+# the one-device runs of the same micro-batches
+REFERENCE = {"gpipe": one_device(4), "1f1b,mtp": MTP_BASE}
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
@@ -200,7 +196,6 @@ def test_layout_equals_one_device(name: str):
     [
         ({"qk_clip_threshold": 0.0}, "train.qk_clip_threshold=0.0"),
         ({"model.qk_norm": "head"}, "model.qk_norm='head'"),
-        ({"model.mtp_depth": 1}, "train.qk_clip=True"),
     ],
 )
 def test_what_it_cannot_clip_is_refused_in_one_line(settings: dict, setting: str):

@@ -30,6 +30,7 @@ from moe_jax.model import remat
 from moe_jax.model.axes import param
 from moe_jax.model.layers import RMSNorm, cast_like
 from moe_jax.moe.block import MoEStats
+from moe_jax.parallel.peaks import WithPeaks, split_peaks
 
 
 def is_moe(cfg: ModelConfig, depth: int) -> bool:
@@ -141,11 +142,22 @@ def losses(model, batch: dict, chunks: int):
     return lm_loss, mtp_loss, merged(stats, mtp_stats)
 
 
-def merged(stats: MoEStats | None, mtp_stats: list) -> tuple[MoEStats | None, jax.Array | None]:
+def merged(stats, mtp_stats: list) -> tuple:
     """(the stack's stats with the MTP modules' MoE layers appended, the MTP load
     [D, E] with zero rows for dense depths, or None without MoE MTP modules). The
     aux, sequence and z losses then sum over every MoE layer, MTP's included; `load`
-    stays the stack's, as the stack's router biases read it."""
+    stays the stack's, as the stack's router biases read it. Where attention's peaks
+    are tracked (`moe_jax.parallel.peaks`) the modules' [D, heads] join the stacks'
+    under 'mtp'."""
+    stats, peaks = split_peaks(stats)
+    mtp_stats, mtp_peaks = zip(*map(split_peaks, mtp_stats), strict=True)
+    stats, mtp_load = _merged(stats, list(mtp_stats))
+    if peaks is not None:
+        stats = WithPeaks(stats, {**peaks, "mtp": jnp.stack(mtp_peaks)})
+    return stats, mtp_load
+
+
+def _merged(stats: MoEStats | None, mtp_stats: list) -> tuple[MoEStats | None, jax.Array | None]:
     moe = [s for s in mtp_stats if s is not None]
     if not moe:
         return stats, None

@@ -263,7 +263,7 @@ class Transformer(nnx.Module):
                 loss,
             )
             total = lm + mtp[1] * mtp_loss
-            total += sum(stats_loss(s) for s in mtp_stats if s is not None)
+            total += sum(stats_loss(s) for s in mtp_stats if split_peaks(s)[0] is not None)
             return total, {"lm_loss": lm, "mtp_loss": mtp_loss, "mtp_stats": mtp_stats}
 
         stats_loss = lambda stats: split_peaks(stats)[0].loss(self.moe_cfg)

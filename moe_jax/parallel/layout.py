@@ -248,7 +248,8 @@ class Layout:
         return jax.shard_map(gather, mesh=self.mesh, check_vma=False, **specs)(given)
 
     def microbatched(self, fn, *args):
-        """`fn(*args)` -> a tree of means, for what runs after the pipelined stack but is
+        """`fn(*args)` -> a tree of means (attention's peaks: maxima), for what runs after
+        the pipelined stack but is
         not linear in the batch (multi-token prediction's MoE blocks): under a pipeline,
         run per device on each of its M / S micro-batches (rows split that many ways) in
         turn and averaged, as a one-device run with `train.grad_accum` = M runs it;
@@ -258,7 +259,7 @@ class Layout:
             return fn(*args)
         split = jax.tree.map(lambda a: a.reshape(k, a.shape[0] // k, *a.shape[1:]), args)
         out = jax.lax.map(lambda a: fn(*a), split)
-        return jax.tree.map(lambda o: o.mean(0), out)
+        return peaks.map_stats(lambda o: o.mean(0), lambda o: o.max(0), out)
 
     # Each block kind runs under a name scope of its own, so the compiled
     # program says which block a collective belongs to.

@@ -107,3 +107,17 @@ def max_over_devices(peaks):
         return jax.lax.pmax(jax.lax.stop_gradient(x), axes) if axes else x
 
     return jax.tree.map(top, peaks)
+
+
+def map_stats(summed: Callable, topped: Callable, *trees):
+    """`summed` over every leaf of statistics `trees` alike, `topped` over their peaks'
+    leaves instead: where statistics are summed or averaged (micro-batches, stages),
+    the peaks take their maximum."""
+
+    def node(*nodes):
+        if not isinstance(nodes[0], WithPeaks):
+            return jax.tree.map(summed, *nodes)
+        moe = jax.tree.map(summed, *(n.moe for n in nodes))
+        return WithPeaks(moe, jax.tree.map(topped, *(n.peaks for n in nodes)))
+
+    return jax.tree.map(node, *trees, is_leaf=lambda x: isinstance(x, WithPeaks))

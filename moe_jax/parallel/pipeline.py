@@ -46,7 +46,7 @@ from jax.sharding import PartitionSpec as P
 
 from moe_jax.kernels.varying import varying_like
 from moe_jax.parallel.layout import STAGE, Layout
-from moe_jax.parallel.peaks import WithPeaks, split_peaks
+from moe_jax.parallel.peaks import map_stats
 from moe_jax.parallel.scopes import DOCUMENT_POSITIONS, PIPELINE, STAGE_SEND
 
 # The held stack's leading logical axes: [repeats, layers / repeats, ...], the second
@@ -160,12 +160,8 @@ def empty_stats(shape, rows: int, like: tuple):
     """Accumulators [rows, ...] for statistics of `shape` ([U / (R S), ...] per
     statistic): zeros, and -inf for attention's peaks (`moe_jax.parallel.peaks`),
     varying like the arrays `like`."""
-    moe, peak = split_peaks(shape)
     empty = lambda fill: lambda s: jnp.full((rows, *s.shape[1:]), fill, s.dtype)
-    total = jax.tree.map(empty(0), moe)
-    if peak is not None:
-        total = WithPeaks(total, jax.tree.map(empty(-jnp.inf), peak))
-    return varying_like(total, *like)
+    return varying_like(map_stats(empty(0), empty(-jnp.inf), shape), *like)
 
 
 def add_stats(total, stats, start, valid):
@@ -181,19 +177,17 @@ def add_stats(total, stats, start, valid):
 
         return put
 
-    (moe, peak), (moe_s, peak_s) = split_peaks(total), split_peaks(stats)
-    moe = jax.tree.map(into(jnp.add, 0), moe, moe_s)
-    return moe if peak is None else WithPeaks(moe, into(jnp.maximum, -jnp.inf)(peak, peak_s))
+    return map_stats(into(jnp.add, 0), into(jnp.maximum, -jnp.inf), total, stats)
 
 
 def mean_stats(total, m: int):
-    """The statistics of a stage's rows as every stage has them: the mean over the `m`
-    micro-batches, the peaks' maximum."""
-    moe, peak = split_peaks(total)
-    moe = jax.tree.map(lambda s: jax.lax.psum(s, STAGE) / m, moe)
-    if peak is None:
-        return moe
-    return WithPeaks(moe, jax.lax.pmax(jax.lax.stop_gradient(peak), STAGE))
+    """Statistics summed over a stage's micro-batches as every stage has them: their
+    mean over the `m` micro-batches, the peaks' maximum (`moe_jax.parallel.peaks`)."""
+    return map_stats(
+        lambda s: jax.lax.psum(s, STAGE) / m,
+        lambda s: jax.lax.pmax(jax.lax.stop_gradient(s), STAGE),
+        total,
+    )
 
 
 def stage_rows(b: jax.Array, repeats: int, stages: int) -> jax.Array:

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from moe_jax.kernels.varying import varying_axes, varying_like, varying_zeros
 from moe_jax.parallel import pipeline
 from moe_jax.parallel.layout import STAGE, Layout, Parts
-from moe_jax.parallel.peaks import WithPeaks, split_peaks
+from moe_jax.parallel.peaks import WithPeaks, map_stats, split_peaks
 from moe_jax.parallel.pipeline_schedule import NONE, ROWS, Table, one_f_one_b
 from moe_jax.parallel.scopes import DOCUMENT_POSITIONS, PIPELINE, STAGE_SEND
 
@@ -104,7 +104,8 @@ def _forward_only(layout, parts, params, tail_params, prefix_params, rest, token
     per_micro = lambda a: a.reshape(k, a.shape[0] // k, *a.shape[1:])
     items = (per_micro(y), jax.tree.map(per_micro, data))
     loss, metrics = jax.lax.map(lambda a: parts.tail(tail_params, *a), items)
-    metrics = jax.tree.map(lambda m: jax.lax.pmean(m.mean(0), STAGE), metrics)
+    top = lambda m: jax.lax.pmax(jax.lax.stop_gradient(m.max(0)), STAGE)
+    metrics = map_stats(lambda m: jax.lax.pmean(m.mean(0), STAGE), top, metrics)
     return loss.mean() + parts.stats_loss(stats), metrics, stats
 
 
@@ -171,7 +172,8 @@ def _one_f_one_b(
     _, metrics_shape = jax.eval_shape(
         lambda y, d: tail(tail_params, y, jax.tree.map(lambda a: item(a, 0), d)), y_shape, data
     )
-    sums = varying_like(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metrics_shape), *like)
+    empty = lambda fill: lambda s: jnp.full(s.shape, fill, s.dtype)
+    sums = varying_like(map_stats(empty(0), empty(-jnp.inf), metrics_shape), *like)
     loss_sum = varying_zeros((), jnp.float32, *like)
     ring = [(j, (j + 1) % stages) for j in range(stages)]
     back = [(j, (j - 1) % stages) for j in range(stages)]
@@ -219,7 +221,8 @@ def _one_f_one_b(
             gbox = _put(gbox, jnp.where(on_loss, at["loss_slot"], NONE), dy)
             g_tail = jax.tree.map(jnp.add, g_tail, d_tail)
             add = lambda acc, v: acc + jnp.where(on_loss, v, jnp.zeros_like(v)).astype(acc.dtype)
-            sums = jax.tree.map(add, sums, varying_like(metrics, *like))
+            top = lambda acc, v: jnp.maximum(acc, jnp.where(on_loss, v, -jnp.inf))
+            sums = map_stats(add, top, sums, varying_like(metrics, *like))
             return gbox, g_tail, sums, loss_sum + jnp.where(on_loss, lm, 0.0)
 
         gbox, g_tail, sums, loss_sum = jax.lax.cond(
@@ -278,7 +281,7 @@ def _one_f_one_b(
     if repeats == 1:
         g_params = jax.tree.map(lambda g: g[0], g_params)
     stats = _with_prefix(pipeline.mean_stats(total, m), prefix_peaks)
-    metrics = jax.tree.map(lambda s: jax.lax.psum(s, STAGE) / m, sums)
+    metrics = pipeline.mean_stats(sums, m)  # the tail's MTP peaks by their maximum
     objective = scale * (loss_sum + stats_loss(total))
     return (objective, metrics, stats), (g_params, g_tail, g_prefix)
 
