@@ -21,6 +21,8 @@ from moe_jax.kernels.blockwise_attention import blockwise_attention
 from moe_jax.optimizer import rates
 from moe_jax.parallel import pipeline
 from moe_jax.parallel.layout import SINGLE_DEVICE
+from moe_jax.parallel.scopes import ATTENTION_PEAKS
+from moe_jax.tools import hlo_collectives
 from moe_jax.train_state import init_state
 from moe_jax.train_step import PEAKS, RATE, loss_fn, train_step
 from tests.layouts import (
@@ -180,7 +182,9 @@ REFERENCE = {"gpipe": one_device(4), "1f1b,mtp": MTP_BASE}
 def test_layout_equals_one_device(name: str):
     """Loss, peak and every parameter after three clipping steps within 1e-5 of one
     device, τ below the peak: each head's peak is its maximum over all devices, and a
-    pipeline's stages each bring their own layers' (and the dense prefix's)."""
+    pipeline's stages each bring their own layers' (and the dense prefix's). Without a
+    pipeline the compiled step reduces them by one all-reduce of heads x 4 bytes over
+    the 8 devices per layer (the heads' shards put in place first)."""
     config = _clipping(on_ragged_dot(LAYOUTS[name]), 1.0)
     run = planned(config)
     ref = run_under(_clipping(on_ragged_dot(REFERENCE.get(name, LAYOUTS[name])), 1.0), TRACKED)
@@ -189,6 +193,11 @@ def test_layout_equals_one_device(name: str):
     assert ref.metrics["max_attn_logit"] > 1.0
     after = jax.device_get(pipeline.canonical(run.state.params))
     assert_trees_close(after, jax.device_get(ref.state.params), 1e-5)
+    if config.parallel.stages == 1:  # from the compiled step: one max of heads floats a layer
+        reduced = [c for c in hlo_collectives.parse(run.hlo) if c.tag == ATTENTION_PEAKS]
+        per_layer = [c for c in reduced if c.group_size == 8]
+        assert sum(c.count for c in per_layer) == config.model.num_layers, reduced
+        assert {(c.kind, c.size) for c in per_layer} == {("all-reduce", 4 * BASE.model.num_heads)}
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from moe_jax.kernels.varying import varying_axes
 from moe_jax.parallel.mesh_axes import STAGE
+from moe_jax.parallel.scopes import ATTENTION_PEAKS
 
 METRIC = "attention_peaks"  # the step's metric of each layer's peaks (`train_step.loss_fn`)
 _OPEN: list[list[jax.Array]] = []  # the recordings open, innermost last
@@ -56,7 +57,10 @@ def global_peaks(seen: list[jax.Array], heads_axis=None, shards: int = 1) -> jax
         peak = jax.lax.dynamic_update_slice(whole, peak, (start,))
     # not over a pipeline's stages: they hold different layers (`pipeline.mean_stats`)
     axes = tuple(sorted(varying_axes(peak) - {STAGE}))
-    return jax.lax.pmax(peak, axes) if axes else peak
+    if not axes:
+        return peak
+    with jax.named_scope(ATTENTION_PEAKS):
+        return jax.lax.pmax(peak, axes)
 
 
 def returning(body: Callable, heads_axis, shards: int) -> Callable:
@@ -104,7 +108,10 @@ def max_over_devices(peaks):
 
     def top(x):
         axes = tuple(sorted(varying_axes(x)))
-        return jax.lax.pmax(jax.lax.stop_gradient(x), axes) if axes else x
+        if not axes:
+            return x
+        with jax.named_scope(ATTENTION_PEAKS):
+            return jax.lax.pmax(jax.lax.stop_gradient(x), axes)
 
     return jax.tree.map(top, peaks)
 

@@ -23,9 +23,19 @@ PIPELINE, STAGE_SEND = "pipeline", "stage_send"
 # split the sequence (`moe_jax.parallel.layout.Layout.positions`) and for every stage
 # of a pipeline (`moe_jax.parallel.pipeline`).
 DOCUMENT_POSITIONS = "document_positions"
+# Each attention head's peak logit reduced over the devices (train.qk_clip,
+# `moe_jax.parallel.peaks`): heads x 4 bytes per layer.
+ATTENTION_PEAKS = "attention_peaks"
 # The scopes that make a collective an activation exchange, in the order the reader
 # tries them (`moe_jax.tools.hlo_collectives`' `tag`).
-TAGS = (TOKEN_EXCHANGE, ROUTER_STATS, LOSS_EXCHANGE, STAGE_SEND, DOCUMENT_POSITIONS)
+TAGS = (
+    TOKEN_EXCHANGE,
+    ROUTER_STATS,
+    LOSS_EXCHANGE,
+    STAGE_SEND,
+    DOCUMENT_POSITIONS,
+    ATTENTION_PEAKS,
+)
 # Chunk c of a block run in `parallel.overlap_chunks` pieces is under `chunk_scope(c)`,
 # step i of a collective matmul's ring (`parallel.collective_matmul`) under `ring_scope(i)`.
 CHUNK, RING = "chunk", "ring"

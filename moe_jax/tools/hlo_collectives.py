@@ -331,11 +331,14 @@ def _group_size(kind: str, attrs: str, devices: int) -> int:
             name.strip().strip("'\""): int(size)
             for name, size in re.findall(r"([^,=\s]+)\s*=\s*(\d+)", mesh["axes"])
         }
-        names = [n.strip().strip("'\"") for n in mesh["names"].split(",") if n.strip()]
-        unknown = [n for n in names if n not in sizes]
-        if unknown:
-            raise ValueError(f"replica_groups name axes {unknown} the mesh does not have")
-        return math.prod(sizes[n] for n in names)
+        group = 1
+        for entry in (n.strip() for n in mesh["names"].split(",") if n.strip()):
+            # an axis ('tensor'), or a sub-axis of it: 'tensor':(k)m, m of its devices
+            part = re.fullmatch(r"['\"]?([^'\":]+)['\"]?(?::\((\d+)\)(\d+))?", entry)
+            if not part or part[1] not in sizes:
+                raise ValueError(f"replica_groups name axes {entry!r} the mesh does not have")
+            group *= int(part[3]) if part[3] else sizes[part[1]]
+        return group
     iota = _IOTA_GROUPS.search(attrs)
     if iota:
         return int(iota["dims"].split(",")[-1])
