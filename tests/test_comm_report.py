@@ -403,3 +403,13 @@ def test_mla_measured_activation_bytes_match_prediction(plan):
     assert a["predicted_attention"] == attention
     exchanged = a["measured"] - a["measured_router_stats"]
     assert exchanged == pytest.approx(a["predicted"], rel=0.01)
+
+
+def test_mesh_replica_groups_of_axes_and_sub_axes():
+    """A group over mesh axes is their product; over a sub-axis ('tensor':(k)m, as XLA
+    writes a reduction over part of an axis) m of its devices."""
+    mesh = "replica_groups=mesh['stage'=1,'data'=2,'expert'=1,'tensor'=4]"
+    size = lambda names: hlo_collectives._group_size("all-reduce", f"{mesh} {{{names}}}, x", 8)
+    assert (size("'data','tensor'"), size("'tensor':(2)2"), size("'tensor':(1)4")) == (8, 2, 4)
+    with pytest.raises(ValueError, match="'model'"):
+        size("'model'")
