@@ -485,3 +485,29 @@ def test_cli_bad_flag_is_one_line(flag):
     run = _cli("--gpus=8", flag)
     assert run.returncode == 1
     assert run.stderr.startswith("error:") and len(run.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("impl,extra", [("blockwise", 0), ("xla", 1)])
+def test_qk_clip_costs_a_peak_pass_where_the_kernel_keeps_no_maximum(impl: str, extra: int):
+    """`train.qk_clip`: blockwise attention's running maxima are its peaks (no cost); on
+    `xla` (and cuDNN) a forward-only pass of the scores finds them: half the core's
+    forward FLOPs again, once per layer and micro-batch, never in the backward or the
+    recompute (Mixtral-8x7B, sp + ep_a2a, remat 'full')."""
+    config = load("mixtral_8x7b")
+    plan = make_plan(config, 64, "sp", "ep_a2a", 8, 8, 1, micro_batch=4)
+    steps, models = [], []
+    for clip in (False, True):
+        model = dataclasses.replace(config.model, attention_impl=impl)
+        train = dataclasses.replace(config.train, qk_clip=clip)
+        clipped = dataclasses.replace(config, model=model, train=train)
+        steps.append(cost_model.step_cost(clipped, plan, H800, 64))
+        models.append(cost_model.CostModel(clipped, plan, H800, 64, op_costs.Efficiency()))
+    core = [op for op in models[1].attention_ops() if op.name == "attention_core"]
+    assert len(core) == 1 + extra
+    peak = 0.0
+    if extra:
+        assert core[1].flops == core[0].flops / 2 and core[1].backward == 0.0
+        peak = models[1]._time(core[1], backward=False)
+    forwards = config.model.num_layers * steps[1].micro_batches
+    got = steps[1].breakdown["attention_core"] - steps[0].breakdown["attention_core"]
+    assert got == pytest.approx(peak * forwards, rel=1e-6, abs=1e-12)

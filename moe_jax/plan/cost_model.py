@@ -87,6 +87,7 @@ from moe_jax.plan.op_costs import (
     Tally,
     exposed,
     gemm_factor,
+    recomputed,
 )
 from moe_jax.plan.paper_modes import PAPER_OVERLAP
 from moe_jax.plan.schedule import Schedules, bubble_fraction
@@ -310,7 +311,8 @@ class CostModel(BlockCosts, Schedules, GradSync):
         compute: dict[str, float] = {}
         partner = gemms = 0.0
         for op in ops:
-            seconds = self._time(op, backward) * (BACKWARD[op.kind] if backward else 1.0)
+            factor = BACKWARD[op.kind] if op.backward is None else op.backward
+            seconds = self._time(op, backward) * (factor if backward else 1.0)
             compute[op.name] = compute.get(op.name, 0.0) + seconds
             partner += seconds if op.kind in COMPUTE_KINDS else 0.0
             gemms += seconds if op.kind in RING_PARTNERS else 0.0
@@ -356,7 +358,7 @@ class CostModel(BlockCosts, Schedules, GradSync):
         tally = self._pass(ops, exchanges, backward=False)
         tally.add(self._pass(ops, exchanges, backward=True))
         if self.remat == "full":
-            tally.add(self._pass(ops, exchanges, backward=False))
+            tally.add(self._pass(recomputed(ops), exchanges, backward=False))
         elif self.remat in ("selective", "offload"):
             memory_bound = [op for op in ops if op.kind == "memory"]
             tally.add(self._pass(memory_bound, self._regathered(exchanges), backward=False))

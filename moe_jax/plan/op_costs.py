@@ -33,6 +33,8 @@ import dataclasses
 import functools
 
 from moe_jax import config_attention
+from moe_jax.data.documents import masked as documents_masked
+from moe_jax.kernels.attention import resolve_impl
 from moe_jax.parallel import registry
 from moe_jax.parallel.layout import DATA
 from moe_jax.plan.paper_modes import PAPER_OVERLAP
@@ -141,6 +143,7 @@ class Op:
     flops: float
     bytes: float
     shapes: tuple[Gemm, ...] = ()  # the GEMMs behind `flops`, for `gemm_factor`
+    backward: float | None = None  # the backward's time over the forward's (None: by kind)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,6 +168,14 @@ class Exchange:
 
 
 BACKWARD = {"gemm": 2.0, "grouped_gemm": 2.0, "attention": 2.5, "memory": 2.0}
+
+
+def recomputed(ops: list[Op]) -> list[Op]:
+    """What a rematerialised forward runs again: what the backward reads (an operator
+    with no backward, as QK-clip's peak pass, only feeds the forward's outputs)."""
+    return [op for op in ops if op.backward != 0.0]
+
+
 COMPUTE_KINDS = ("gemm", "grouped_gemm", "attention")  # what exchanges can hide behind
 RING_PARTNERS = ("gemm", "grouped_gemm")  # what a collective matmul's steps hide behind
 
@@ -193,6 +204,7 @@ class BlockCosts:
                 shapes,
             ),
             Op("attention_core", "attention", 4 * t * context * heads * hd, qkvo),
+            *self._peak_pass(2 * t * context * heads * hd, t * (heads + kv) * hd * B),
             Op("elementwise", "memory", 0.0, t * (5 * h + 2 * (heads + kv) * hd) * B),
             *self._fp8_casts(qkvo / B if self.attention_spec.compresses_tokens else 0),
         ]
@@ -222,9 +234,24 @@ class BlockCosts:
         return [
             Op("dense_gemm", "gemm", flops, io, shapes),
             Op("attention_core", "attention", 2 * t * context * heads * (qk + v), qkvo),
+            *self._peak_pass(2 * t * context * heads * qk, 2 * t * heads * qk * B),
             Op("elementwise", "memory", 0.0, t * (5 * h + 4 * heads * qk) * B),
             *self._fp8_casts(qkvo / B if self.attention_spec.compresses_tokens else 0),
         ]
+
+    def _peak_pass(self, flops: float, io: float) -> list[Op]:
+        """`train.qk_clip` on an attention implementation whose kernel keeps no running
+        maximum (`xla`, `cudnn`): the forward-only pass of the scores that finds each
+        head's peak (`blockwise_attention.peak_logits`), counted with the core; nothing
+        in the backward (its output is not differentiated, and a recomputed forward
+        drops it)."""
+        m = self.config.model
+        if not self.config.train.qk_clip:
+            return []
+        impl = resolve_impl(m.attention_impl, m.dtype, "gpu", documents_masked(self.config.data))
+        if impl == "blockwise":
+            return []
+        return [Op("attention_core", "attention", flops, io, backward=0.0)]
 
     def mlp_ops(self) -> list[Op]:
         m, t, B = self.config.model, self.t, self.B

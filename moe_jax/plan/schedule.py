@@ -12,7 +12,7 @@ import dataclasses
 import functools
 
 from moe_jax.model.mtp import is_moe
-from moe_jax.plan.op_costs import Tally, collective_time
+from moe_jax.plan.op_costs import Tally, collective_time, recomputed
 
 
 def bubble_fraction(stages: int, micro_batches: int, repeats: int = 1) -> float:
@@ -110,7 +110,8 @@ class Schedules:
 
     def layer_forward(self, moe: bool) -> Tally:
         """One forward of a layer: what rematerialising a tick runs once more."""
-        tally = self._pass(self.attention_ops(), self.attention_exchanges(), backward=False)
+        attention = recomputed(self.attention_ops())
+        tally = self._pass(attention, self.attention_exchanges(), backward=False)
         if moe:
             tally.add(self._pass(self.moe_ops(), self.moe_exchanges(), backward=False))
         else:
