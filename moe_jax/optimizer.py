@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from optax.contrib import MuonDimensionNumbers, scale_by_muon
-from optax.contrib._muon import scale_by_shape
+from optax.contrib import MuonDimensionNumbers, MuonState, scale_by_muon
+from optax.contrib._muon import orthogonalize_via_newton_schulz, scale_by_shape
 
 from moe_jax.config import TrainConfig
 
@@ -32,6 +32,9 @@ MUON_MATRICES = {
 # Moonlight's scale (Liu et al. 2025): 0.2 sqrt(max(fan_in, fan_out)) gives the update
 # AdamW's RMS, so that AdamW's learning rate and weight decay carry over.
 MUON_RMS = 0.2
+# Newton-Schulz steps per update (optax's default): not a setting; tests compile the
+# step with fewer to show that no collective runs per step.
+NS_STEPS = 5
 
 
 def learning_rate(cfg: TrainConfig) -> optax.Schedule:
@@ -143,21 +146,72 @@ def muon_dimensions(params):
     return jax.tree_util.tree_map_with_path(dims, params)
 
 
-def muon(cfg: TrainConfig, lr: optax.Schedule | None = None) -> optax.GradientTransformation:
+def _orthogonalised(x: jax.Array, dims: MuonDimensionNumbers, coeffs, steps: int, place):
+    """optax's Newton-Schulz (`orthogonalize_via_newton_schulz`) on each matrix of `x`,
+    run where `place` (`moe_jax.parallel.muon_placement.Placement`) puts the matrices
+    whole. The stacking dimensions stay separate dimensions (optax merges them into one,
+    which would move the stack's shards between devices): the matrices are vmapped over
+    each of them."""
+    matrix = sorted(a % x.ndim for a in (*dims.reduction_axis, *dims.output_axis))
+    batch = x.ndim - len(matrix)
+    if matrix != list(range(batch, x.ndim)):  # MUON_MATRICES: trailing, in order
+        raise ValueError(f"Muon matrix axes {dims} are not the trailing axes of {x.shape}")
+    fan_in = int(np.prod([x.shape[a % x.ndim] for a in dims.reduction_axis]))
+    one = lambda m: orthogonalize_via_newton_schulz(m, coeffs, steps)
+    for _ in range(batch):
+        one = jax.vmap(one)
+    block = lambda b: one(b.reshape(*b.shape[:batch], fan_in, -1)).reshape(b.shape)
+    return place.run(block, x)
+
+
+def scale_by_placed_muon(
+    beta: float, dimensions, placements, steps: int = NS_STEPS
+) -> optax.GradientTransformation:
+    """optax's `scale_by_muon` (its state, its Nesterov momentum written with its own
+    tree helpers) with each matrix's Newton-Schulz run where `placements` (a tree like
+    the parameters': a `Placement` per Muon matrix, None elsewhere) puts it."""
+    base = scale_by_muon(beta=beta, ns_steps=steps, weight_dimension_numbers=dimensions)
+
+    def update(updates, state, params=None):
+        mu = optax.tree.update_moment(updates, state.mu, beta, 1)
+        count = optax.safe_increment(state.count)
+        nesterov = jax.tree.map(
+            lambda m, g: beta * m + (1 - beta) * g,
+            optax.tree.bias_correction(mu, beta, optax.safe_increment(count)),
+            optax.tree.bias_correction(updates, beta, count),
+        )
+        orthogonalise = lambda x, d, p: (
+            x if p is None else _orthogonalised(x, d, state.ns_coeffs, steps, p)
+        )
+        is_leaf = lambda x: isinstance(x, optax.MaskedNode)
+        dims = dimensions(updates)
+        out = jax.tree.map(orthogonalise, nesterov, dims, placements, is_leaf=is_leaf)
+        return out, MuonState(count=count, mu=mu, ns_coeffs=state.ns_coeffs)
+
+    return optax.GradientTransformation(base.init, update)
+
+
+def muon(
+    cfg: TrainConfig, lr: optax.Schedule | None = None, placements=None, steps: int | None = None
+) -> optax.GradientTransformation:
     """Muon for the hidden matrices (`MUON_MATRICES`), AdamW (`adamw`) for the rest, at
     the schedule `learning_rate(cfg)` or `lr`. Built from optax's parts: its
     `scale_by_muon` (Nesterov momentum `train.muon_momentum`, kept in
-    `train.moment_dtype`, bias-corrected, then 5 Newton-Schulz steps with the quintic
-    coefficients on each matrix, Frobenius normalised first) and `scale_by_shape`
+    `train.moment_dtype`, bias-corrected, then `NS_STEPS` Newton-Schulz steps with the
+    quintic coefficients on each matrix, Frobenius normalised first) and `scale_by_shape`
     (`MUON_RMS`), then decoupled weight decay on every matrix and the learning rate, as
-    AdamW's."""
+    AdamW's. With `placements` (`moe_jax.parallel.muon_placement.placements`, from the
+    train step) Newton-Schulz runs on whole matrices (`scale_by_placed_muon`)."""
     rate = learning_rate(cfg) if lr is None else lr
+    steps = NS_STEPS if steps is None else steps
+    if placements is None:
+        orthogonal = scale_by_muon(
+            beta=cfg.muon_momentum, ns_steps=steps, weight_dimension_numbers=muon_dimensions
+        )
+    else:
+        orthogonal = scale_by_placed_muon(cfg.muon_momentum, muon_dimensions, placements, steps)
     matrices = optax.chain(
-        kept_in(
-            scale_by_muon(beta=cfg.muon_momentum, weight_dimension_numbers=muon_dimensions),
-            cfg.moment_dtype,
-            ("mu",),
-        ),
+        kept_in(orthogonal, cfg.moment_dtype, ("mu",)),
         scale_by_shape(weight_dimension_numbers=muon_dimensions, consistent_rms=MUON_RMS),
         optax.add_decayed_weights(cfg.weight_decay),
         optax.scale_by_learning_rate(rate),
@@ -170,9 +224,10 @@ def muon(cfg: TrainConfig, lr: optax.Schedule | None = None) -> optax.GradientTr
     return optax.partition({"muon": matrices, "adamw": adamw(cfg, rate)}, labels)
 
 
-def update_rule(cfg: TrainConfig, lr: optax.Schedule | None = None):
-    """`train.optimizer`'s transformation (without the clipping)."""
-    return muon(cfg, lr) if cfg.optimizer == "muon" else adamw(cfg, lr)
+def update_rule(cfg: TrainConfig, lr: optax.Schedule | None = None, placements=None):
+    """`train.optimizer`'s transformation (without the clipping); `placements`: where
+    Muon's Newton-Schulz runs (`muon`)."""
+    return muon(cfg, lr, placements) if cfg.optimizer == "muon" else adamw(cfg, lr)
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:

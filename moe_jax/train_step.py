@@ -22,7 +22,7 @@ from moe_jax.model import mtp as mtp_lib
 from moe_jax.model.loss import loss_chunks, with_loss_weights
 from moe_jax.model.transformer import split_peaks
 from moe_jax.moe.balancing import update_biases
-from moe_jax.parallel import distributed_optimizer, grad_exchange, per_device_step
+from moe_jax.parallel import distributed_optimizer, grad_exchange, muon_placement, per_device_step
 from moe_jax.parallel import mesh as mesh_lib
 from moe_jax.parallel import peaks as peaks_lib
 from moe_jax.parallel.layout import Layout
@@ -242,12 +242,15 @@ def train_step(graphdef, config: Config, state: TrainState, batch, lr):
     `skipped=1`.
     """
     metrics, grads = gradients(state, graphdef, batch, config)
-    return apply_gradients(config, state, metrics, grads, lr)
+    return apply_gradients(config, state, metrics, grads, lr, _layout(graphdef, state))
 
 
-def apply_gradients(config: Config, state: TrainState, metrics: dict, grads, lr):
+def apply_gradients(
+    config: Config, state: TrainState, metrics: dict, grads, lr, layout: Layout | None = None
+):
     """The clipped optimizer and router-bias updates of one step (`make_optimizer`'s, at
-    the learning rate `lr`), from its gradients and metrics.
+    the learning rate `lr`), from its gradients and metrics. Under `layout`'s mesh, Muon's
+    Newton-Schulz runs where `moe_jax.parallel.muon_placement` puts each matrix whole.
 
     Written for XLA to update the donated state in place: the gradients are clipped
     before the update, in their own buffers (optax's clip inside the update would write
@@ -264,7 +267,9 @@ def apply_gradients(config: Config, state: TrainState, metrics: dict, grads, lr)
     if cfg.grad_clip > 0:  # optax.clip_by_global_norm's rule
         scale = jnp.minimum(1.0, cfg.grad_clip / grad_norm)
         grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
-    rule, rate = optimizer.update_rule(cfg, lambda count: lr), config.moe.bias_update_rate
+    placed = muon_placement.of_state(state, layout, optimizer.muon_dimensions)
+    rule = optimizer.update_rule(cfg, lambda count: lr, placed)
+    rate = config.moe.bias_update_rate
     clipped = cfg.grad_clip > 0  # chain(clip, rule): the clip's state is empty
 
     def stepped(params, opt_state):

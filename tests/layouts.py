@@ -109,7 +109,8 @@ def step_and_grads(graphdef, config: Config, state, batch, lr):
     """The trainer's step (`gradients` then `apply_gradients`), also returning the
     gradients it applied."""
     metrics, grads = gradients(state, graphdef, batch, config)
-    state, metrics = apply_gradients(config, state, metrics, grads, lr)
+    layout = nnx.merge(graphdef, state.params, state.biases).layout
+    state, metrics = apply_gradients(config, state, metrics, grads, lr, layout)
     return state, metrics, grads
 
 

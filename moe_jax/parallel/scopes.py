@@ -16,6 +16,9 @@ TOKEN_EXCHANGE, ROUTER_STATS, LOSS_EXCHANGE = "token_exchange", "router_stats", 
 # and the distributed optimizer's reduce-scatters and weight gathers
 # (`moe_jax.parallel.distributed_optimizer`).
 GRAD_EXCHANGE, WEIGHT_GATHER = "grad_exchange", "weight_gather"
+# Muon's momentum moved to where each matrix is whole, and its update moved back
+# (`moe_jax.parallel.muon_placement`).
+MUON_EXCHANGE = "muon_exchange"
 # The pipelined layer stack's tick loops, and its stage-to-stage sends
 # (`moe_jax.parallel.pipeline`).
 PIPELINE, STAGE_SEND = "pipeline", "stage_send"
