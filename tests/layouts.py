@@ -124,8 +124,9 @@ class Run:
     lowered: str  # the step before XLA's optimisations (StableHLO, original dtypes)
 
 
-def run_under(config: Config, layout) -> Run:
-    """`config`'s step under `layout` (built by `planned`, or by hand)."""
+def compile_under(config: Config, layout):
+    """`config`'s step compiled under `layout`, its lowered form, and the placed state
+    and batch it runs on."""
     graphdef, state = init_state(config, layout)
     inputs = batch(config)
     shardings = {}
@@ -140,7 +141,12 @@ def run_under(config: Config, layout) -> Run:
         }
     step = jax.jit(partial(step_and_grads, graphdef, config), donate_argnums=0, **shardings)
     lowered = step.lower(state, inputs, RATE)
-    compiled = lowered.compile(compiler_options=FAST_COMPILE)
+    return lowered.compile(compiler_options=FAST_COMPILE), lowered, state, inputs
+
+
+def run_under(config: Config, layout) -> Run:
+    """`config`'s step under `layout` (built by `planned`, or by hand)."""
+    compiled, lowered, state, inputs = compile_under(config, layout)
     lr, *more = rates(config.train, 0, STEPS)
     state, metrics, grads = compiled(state, inputs, lr)
     first = jax.device_get((metrics, grads))
@@ -155,11 +161,21 @@ def reference(config: Config) -> Run:
     return run_under(config, SINGLE_DEVICE)
 
 
+def planned_layout(config: Config):
+    """`config` resolved for the 8 test devices, and its layout."""
+    config = check_plan(config, jax.device_count())
+    return config, mesh_lib.make_layout(config, mesh_lib.make_mesh(config))
+
+
+def planned_program(config: Config) -> str:
+    """The compiled step of `planned(config)`, not run."""
+    return compile_under(*planned_layout(config))[0].as_text()
+
+
 @functools.cache
 def planned(config: Config) -> Run:
     """`config` under its plan on the 8 test devices."""
-    config = check_plan(config, jax.device_count())
-    return run_under(config, mesh_lib.make_layout(config, mesh_lib.make_mesh(config)))
+    return run_under(*planned_layout(config))
 
 
 def assert_trees_close(got, want, rtol: float = 1e-5, atol_scale: float | None = None) -> None:

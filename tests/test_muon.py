@@ -5,6 +5,7 @@ sharded layouts equal to one device."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import runpy
 
@@ -16,10 +17,22 @@ import pytest
 from flax import nnx
 
 from moe_jax import config as config_lib
+from moe_jax import optimizer
 from moe_jax.optimizer import MUON_RMS, muon, muon_dimensions
-from moe_jax.parallel import pipeline
+from moe_jax.parallel import muon_placement, pipeline
+from moe_jax.parallel.layout import axes_of
+from moe_jax.tools import hlo_collectives
 from moe_jax.train_state import build_model
-from tests.layouts import assert_trees_close, on_ragged_dot, planned, reference, with_plan
+from moe_jax.train_step import abstract_state
+from tests.layouts import (
+    assert_trees_close,
+    on_ragged_dot,
+    planned,
+    planned_layout,
+    planned_program,
+    reference,
+    with_plan,
+)
 from tests.pipelined import one_device, pipelined
 
 A, B, C = 3.4445, -4.775, 2.0315  # the quintic Newton-Schulz coefficients
@@ -198,3 +211,48 @@ def test_two_stage_pipeline_equals_one_device():
     assert_trees_close(pipeline.canonical(run.grads), ref.grads, rtol=1e-5)
     after = jax.device_get(pipeline.canonical(run.state.params))
     assert_trees_close(after, jax.device_get(ref.state.params), 1e-5)
+
+
+def _collectives(hlo: str) -> collections.Counter:
+    """Executions per step of each kind of collective in a compiled program."""
+    counts = collections.Counter()
+    for c in hlo_collectives.parse(hlo):
+        counts[c.kind] += c.count
+    return counts
+
+
+def _exchanges(config) -> int:
+    """The Muon exchanges `muon_placement` plans for `config`'s weights, per update: one
+    in where a weight's placement is not its matrices' whole one, one out where a mesh
+    axis moved from a matrix dimension to a stacking one (where it was only dropped,
+    each device slices its part of the whole update)."""
+    config, layout = planned_layout(config)
+    _, state = abstract_state(config, layout)
+    placed = muon_placement.of_state(state, layout, muon_dimensions)
+    total = 0
+    for p in jax.tree.leaves(placed, is_leaf=lambda x: isinstance(x, muon_placement.Placement)):
+        whole = [axes_of(entry) for entry in (*p.whole.spec, *[None] * len(p.own.spec))]
+        anywhere = {a for axes in whole for a in axes}
+        own = [axes_of(entry) for entry in p.own.spec]
+        moved = any(a in anywhere - set(whole[d]) for d, axes in enumerate(own) for a in axes)
+        total += (p.whole.spec != p.own.spec) + moved
+    return total
+
+
+# apply_gradients computes the update twice: once to check the new parameters are
+# finite, once in the donated buffers.
+UPDATES_PER_STEP = 2
+
+
+@pytest.mark.parametrize("name", ["tp+etp", "fsdp+ep_ag,expert_fsdp"])
+def test_newton_schulz_adds_no_collective_per_step(name, monkeypatch):
+    """The compiled step's collectives do not depend on the number of Newton-Schulz
+    steps (each matrix is whole where they run), and Muon adds to AdamW's step only the
+    exchanges in and out that `muon_placement` plans for each weight."""
+    config = LAYOUTS[name]
+    adamw = dataclasses.replace(config, train=dataclasses.replace(config.train, optimizer="adamw"))
+    five = _collectives(planned(config).hlo)  # the equality test's program
+    extra = five.total() - _collectives(planned_program(adamw)).total()
+    monkeypatch.setattr(optimizer, "NS_STEPS", 1)
+    assert _collectives(planned_program(config)) == five
+    assert 0 < extra <= UPDATES_PER_STEP * _exchanges(config), (five, extra)
