@@ -20,7 +20,6 @@ from moe_jax import config as config_lib
 from moe_jax import optimizer
 from moe_jax.optimizer import MUON_RMS, muon, muon_dimensions
 from moe_jax.parallel import muon_placement, pipeline
-from moe_jax.parallel.layout import axes_of
 from moe_jax.tools import hlo_collectives
 from moe_jax.train_state import build_model
 from moe_jax.train_step import abstract_state
@@ -223,19 +222,15 @@ def _collectives(hlo: str) -> collections.Counter:
 
 def _exchanges(config) -> int:
     """The Muon exchanges `muon_placement` plans for `config`'s weights, per update: one
-    in where a weight's placement is not its matrices' whole one, one out where a mesh
-    axis moved from a matrix dimension to a stacking one (where it was only dropped,
-    each device slices its part of the whole update)."""
+    in per mesh axis taken off a matrix dimension (an all-to-all, or an all-gather where
+    the axis divides no stacking dimension), one out per all-to-all (where the axis was
+    only dropped, each device slices its part of the whole update)."""
     config, layout = planned_layout(config)
     _, state = abstract_state(config, layout)
     placed = muon_placement.of_state(state, layout, muon_dimensions)
     total = 0
     for p in jax.tree.leaves(placed, is_leaf=lambda x: isinstance(x, muon_placement.Placement)):
-        whole = [axes_of(entry) for entry in (*p.whole.spec, *[None] * len(p.own.spec))]
-        anywhere = {a for axes in whole for a in axes}
-        own = [axes_of(entry) for entry in p.own.spec]
-        moved = any(a in anywhere - set(whole[d]) for d, axes in enumerate(own) for a in axes)
-        total += (p.whole.spec != p.own.spec) + moved
+        total += sum(1 + (move.stack is not None) for move in p.moves)
     return total
 
 
