@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import runpy
 
 import jax
@@ -15,12 +16,17 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from optax.contrib import MuonDimensionNumbers
 
 from moe_jax import config as config_lib
 from moe_jax import optimizer
 from moe_jax.optimizer import MUON_RMS, muon, muon_dimensions
 from moe_jax.parallel import muon_placement, pipeline
-from moe_jax.tools import hlo_collectives
+from moe_jax.parallel.layout import axes_of
+from moe_jax.plan import muon_cost, planner
+from moe_jax.tools import comm_report, hlo_collectives
 from moe_jax.train_state import build_model
 from moe_jax.train_step import abstract_state
 from tests.layouts import (
@@ -243,11 +249,98 @@ UPDATES_PER_STEP = 2
 def test_newton_schulz_adds_no_collective_per_step(name, monkeypatch):
     """The compiled step's collectives do not depend on the number of Newton-Schulz
     steps (each matrix is whole where they run), and Muon adds to AdamW's step only the
-    exchanges in and out that `muon_placement` plans for each weight."""
+    exchanges in and out that `muon_placement` plans for each weight, of the bytes
+    `comm_report` predicts for them (`moe_jax.plan.muon_cost`)."""
     config = LAYOUTS[name]
     adamw = dataclasses.replace(config, train=dataclasses.replace(config.train, optimizer="adamw"))
-    five = _collectives(planned(config).hlo)  # the equality test's program
+    hlo = planned(config).hlo  # the equality test's program
+    five = _collectives(hlo)
+    resolved, _ = planned_layout(config)
+    muon = comm_report.summarize(resolved, hlo_collectives.parse(hlo))[
+        "muon_exchange_bytes_per_step"
+    ]
+    assert muon["measured"] == muon["predicted"] > 0, muon
     extra = five.total() - _collectives(planned_program(adamw)).total()
     monkeypatch.setattr(optimizer, "NS_STEPS", 1)
     assert _collectives(planned_program(config)) == five
     assert 0 < extra <= UPDATES_PER_STEP * _exchanges(config), (five, extra)
+
+
+@pytest.mark.parametrize(
+    "shape,spec",
+    [
+        ((2, 4, 8, 12), P(None, "expert", ("data", "tensor"), None)),  # both onto the stack
+        ((1, 2, 8, 12), P(None, None, ("data", "tensor"), "expert")),  # data gathered
+    ],
+)
+def test_placement_moves_each_axis_explicitly(shape, spec):
+    """A weight split over two mesh axes on one matrix dimension (and one on the stack,
+    or the other matrix dimension), on 2 x 2 x 2 devices: the function `Placement.run`
+    applies sees whole matrices (a per-matrix X X^T X equals the float64 one of the whole
+    weight), and the program's only collectives are the moves `muon_cost.exchange_sent`
+    counts, of its bytes (an axis that divides no stacking dimension gathered, its way
+    back a slice): no resharding left to XLA's partitioner."""
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("data", "expert", "tensor"))
+    x = np.random.default_rng(2).normal(size=shape).astype(np.float32)
+    dims = MuonDimensionNumbers((-2,), (-1,))
+    place = muon_placement.placements({"w": x}, {"w": NamedSharding(mesh, spec)}, {"w": dims})
+    cube = lambda b: jnp.einsum("...ij,...kj,...kl->...il", b, b, b)
+    run = jax.jit(lambda a: place["w"].run(cube, a))
+    got = run(jax.device_put(x, NamedSharding(mesh, spec)))
+    want = np.einsum("...ij,...kj,...kl->...il", *[x.astype(np.float64)] * 3)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+    hlo = run.lower(jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, spec)))
+    measured = sorted((c.kind, c.bytes) for c in hlo_collectives.parse(hlo.compile().as_text()))
+    predicted = muon_cost.exchange_sent(dict(mesh.shape), spec, shape, 2)
+    moves = place["w"].moves
+    kinds = ["all-gather" if m.stack is None else "all-to-all" for m in moves]
+    kinds += ["all-to-all" for m in moves if m.stack is not None]
+    sent = [b for b, _ in predicted]
+    assert measured == sorted(zip(kinds, sent, strict=True)) and min(sent) > 0
+
+
+@pytest.mark.parametrize("name", ["tp+etp", "sp+ep_a2a,zero=2"])
+def test_planner_counts_the_trainers_muon_work(name):
+    """The planner's Muon terms (`moe_jax.plan.muon_cost`) from the trainer's own state
+    and placements (nothing compiled): moments per parameter as the optimizer's state
+    holds them, and per device 5 (4 m^2 n + 2 m^3) FLOPs per m x n matrix (m <= n) of
+    the stack's share its whole-matrix placement leaves each device. The ranking prices
+    both terms under Muon (the exchange where a matrix is split) and neither under AdamW,
+    whose elementwise update moves more."""
+    config, layout = planned_layout(LAYOUTS[name])
+    _, state = abstract_state(config, layout)
+    # the moments: every array of the state but its step counts and Muon's coefficients
+    moment = lambda path, x: x.ndim and "ns_coeffs" not in jax.tree_util.keystr(path)
+    elements = lambda tree: sum(
+        x.size for path, x in jax.tree_util.tree_leaves_with_path(tree) if moment(path, x)
+    )
+    moments = elements(state.opt_state) / elements(state.params)
+    assert muon_cost.moments_per_param(config) == pytest.approx(moments, rel=1e-9)
+    placed = muon_placement.of_state(state, layout, muon_dimensions)
+    is_place = lambda x: x is None or isinstance(x, muon_placement.Placement)
+    is_dims = lambda x: x is None or isinstance(x, MuonDimensionNumbers)
+    dims = jax.tree.leaves(muon_dimensions(state.params), is_leaf=is_dims)
+    places = jax.tree.leaves(placed, is_leaf=is_place)
+    sizes, flops = dict(layout.mesh.shape), 0
+    for w, d, p in zip(jax.tree.leaves(state.params), dims, places, strict=True):
+        if p is None:
+            continue
+        fan_in = math.prod(w.shape[a] for a in d.reduction_axis)
+        m, n = sorted((fan_in, math.prod(w.shape[a] for a in d.output_axis)))
+        batch = w.ndim - len(d.reduction_axis) - len(d.output_axis)
+        split = math.prod(sizes[a] for entry in p.whole.spec[:batch] for a in axes_of(entry))
+        flops += math.prod(w.shape[:batch]) // split * 5 * (4 * m * m * n + 2 * m**3)
+    assert muon_cost.muon_work(config).flops == flops > 0
+    adamw = dataclasses.replace(config, train=dataclasses.replace(config.train, optimizer="adamw"))
+    p = config.parallel  # ranked among the plans of this layout only
+    only = dict(attention=(p.attention,), experts=(p.experts,), intra=(p.intra,))
+    muon_plan, adamw_plan = (
+        planner.rank(c, 8, "h100", limit=1, check_memory=False, **only).best.cost.breakdown
+        for c in (config, adamw)
+    )
+    assert muon_plan["newton_schulz"] > 0
+    # ZeRO-1's parameters as the layout holds them: tp splits the attention matrices
+    # over heads, sp + ep_a2a splits only the expert stack (nothing to exchange)
+    assert (muon_plan["muon_exchange"] > 0) == (p.attention == "tp")
+    assert muon_plan["optimizer"] < adamw_plan["optimizer"]
+    assert not {"newton_schulz", "muon_exchange"} & set(adamw_plan)

@@ -75,6 +75,7 @@ from moe_jax.parallel.layout import DATA, INTRA
 from moe_jax.plan import comm_volume, state_arrays
 from moe_jax.plan.grad_sync import GradSync
 from moe_jax.plan.hardware import GPU
+from moe_jax.plan.muon_cost import MuonCost
 from moe_jax.plan.op_costs import (
     BACKWARD,
     COMPUTE_KINDS,
@@ -253,7 +254,7 @@ class StepCost:
         )
 
 
-class CostModel(BlockCosts, Schedules, GradSync):
+class CostModel(BlockCosts, Schedules, GradSync, MuonCost):
     """Per-operator, per-exchange costs of one plan of one config on one GPU type."""
 
     def __init__(

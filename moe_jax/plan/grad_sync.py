@@ -12,14 +12,14 @@ import math
 from moe_jax.config import Config
 from moe_jax.parallel import registry
 from moe_jax.parallel.layout import DATA, INTRA, STAGE, axes_of
-from moe_jax.plan import comm_volume
+from moe_jax.plan import comm_volume, muon_cost
 from moe_jax.plan.op_costs import PARAM_BYTES, Link
 
 
-def optimizer_bytes_per_param(moment_bytes: int, moments: int = 2) -> int:
+def optimizer_bytes_per_param(moment_bytes: int, moments: float = 2) -> float:
     """HBM bytes an optimizer update moves per float32 parameter: read its gradient, the
     parameter and the moments, write the parameter and the moments back (AdamW: two
-    moments; 28 in float32, 20 with `train.moment_dtype=bfloat16`)."""
+    moments; 28 in float32, 20 with `train.moment_dtype=bfloat16`; Muon's matrices one)."""
     return 4 + 4 + 4 + 2 * moments * moment_bytes
 
 
@@ -73,14 +73,17 @@ class GradSync:
         return shown, total - shown
 
     def optimizer_s(self, params: float | None = None) -> float:
-        """AdamW update: memory-bound over one device's parameters (default the largest
-        1F1B stage's; the moments split over data by ZeRO-1), moments in
-        `train.moment_dtype`."""
+        """The optimizer's elementwise update: memory-bound over one device's parameters
+        (default the largest 1F1B stage's; the moments split over data by ZeRO-1),
+        moments in `train.moment_dtype`, as many per parameter as the model's state
+        holds (`muon_cost.moments_per_param`: AdamW's 2, fewer under Muon). Muon's
+        Newton-Schulz is `muon_cost.MuonCost.newton_schulz_s`."""
         params = max(self.stage_params()) if params is None else params
         shards = self.plan.parallel.data if self.plan.parallel.zero else 1
         bandwidth = self.gpu.hbm_bandwidth * self.eff.memory
         moment = comm_volume.DTYPE_BYTES[self.sized.train.moment_dtype]
-        return params / shards * optimizer_bytes_per_param(moment) / bandwidth
+        moments = muon_cost.moments_per_param(self.sized)
+        return params / shards * optimizer_bytes_per_param(moment, moments) / bandwidth
 
     def pipeline_sync_s(self) -> float:
         """The pipelined step's gradient sum, exposed: the trainer runs it once, after the

@@ -18,6 +18,7 @@ from moe_jax.names import PIPELINE_SCHEDULES
 from moe_jax.parallel import registry
 from moe_jax.parallel.layout import DATA
 from moe_jax.plan import cost_model
+from moe_jax.plan.breakdown import COMPUTE, EXCHANGES
 from moe_jax.plan.cost_model import (
     ATTENTION_LAYOUTS,
     EXPERT_LAYOUTS,
@@ -388,19 +389,6 @@ def verdict(ratio: float) -> str:
     if ratio > 1:
         return "ratio > 1: token exchange can hide behind the expert GEMMs"
     return "ratio < 1: the expert GEMMs are too short to hide the token exchange"
-
-
-COMPUTE = (
-    "expert_gemm",
-    "dense_gemm",
-    "attention_core",
-    "routing_permute",
-    "elementwise",
-    "fp8_casts",
-    "grad_accumulation",
-    "optimizer",
-)
-EXCHANGES = ("attention_exchange", "expert_exchange", "weight_gather", "pipeline_p2p", "grad_sync")
 
 
 def explain(candidate: Candidate, gpu: GPU, runner_up: Candidate | None = None) -> list[str]:

@@ -88,6 +88,7 @@ class Schedules:
         breakdown["grad_sync"] = shown
         hidden["grad_sync"] = hid
         breakdown["optimizer"] = self.optimizer_s()
+        breakdown.update(self.muon_s())
         return breakdown, hidden, t_mb
 
     # --- the trainer's pipeline (`Plan.pipeline` "trainer") -------------------------
@@ -190,6 +191,7 @@ class Schedules:
         breakdown["bubble"] = (p.stages - 1) * tick.seconds
         breakdown["grad_sync"] = sync
         breakdown["optimizer"] = self.optimizer_s(p.repeats * self.group_params() + outside)
+        breakdown.update(self.muon_s())
         return breakdown, {**total.hidden, "grad_sync": 0.0}, tick.seconds
 
 
