@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from moe_jax import config as config_lib
 from moe_jax.config import Config, ParallelConfig
-from moe_jax.plan import comm_volume
+from moe_jax.plan import comm_volume, muon_cost
 from moe_jax.tools import comm_report, hlo_collectives, lowered_dtypes
 from tests.layouts import MLA, TRAFFIC, planned, with_plan
 
@@ -266,6 +266,28 @@ def test_summary_per_layer_per_micro_batch_and_notes():
     text = comm_report.format_report({**result, "compile_seconds": 0.0})
     assert "/ 2 micro-batches" in text and "1 of 2 layers are dense" in text
     assert "XLA:CPU compiled bf16 as f32" in text
+
+
+def test_muon_exchange_row():
+    """No compile: under Muon the collectives under the `muon_exchange` scope are summed
+    into their own row beside `moe_jax.plan.muon_cost`'s prediction (a compiled step's
+    equality: `tests/test_muon.py`); AdamW's report has none."""
+    config = _plan("tp", "etp", 2, 4)
+    muon = dataclasses.replace(config, train=dataclasses.replace(config.train, optimizer="muon"))
+    row = functools.partial(hlo_collectives.Collective, role="param_grad", pass_="forward")
+    collectives = [
+        row("all-to-all", 4, "f32", 300, 2, op_name="jit(step)/muon_exchange/all_to_all"),
+        row("all-reduce", 8, "f32", 500, 1, op_name="jit(step)/transpose(jvp())/psum"),
+    ]
+    got = comm_report.summarize(muon, collectives)["muon_exchange_bytes_per_step"]
+    assert got == {"measured": 600, "predicted": muon_cost.exchange_bytes_per_step(muon)}
+    assert got["predicted"] > 0
+    text = comm_report.format_report(
+        {**comm_report.summarize(muon, collectives), "compile_seconds": 0}
+    )
+    assert "Muon's whole-matrix exchanges per step per device: 600 (predicted" in text
+    plain = comm_report.summarize(config, collectives[1:])["muon_exchange_bytes_per_step"]
+    assert plain == {"measured": 0, "predicted": 0}
 
 
 @functools.cache

@@ -51,7 +51,7 @@ from moe_jax import config as config_lib
 from moe_jax.data.documents import batch_keys
 from moe_jax.parallel import mesh as mesh_lib
 from moe_jax.parallel import registry, scopes
-from moe_jax.plan import comm_volume, param_traffic
+from moe_jax.plan import comm_volume, muon_cost, param_traffic
 from moe_jax.plan.describe import plan_line
 from moe_jax.plan.resolve import check_plan
 from moe_jax.signals import interruptible
@@ -136,6 +136,10 @@ def summarize(config: config_lib.Config, collectives: list) -> dict:
         "document_positions_bytes_per_step": {
             "measured": sum(c.total for c in collectives if c.tag == scopes.DOCUMENT_POSITIONS),
             "predicted": comm_volume.document_positions_bytes(config),
+        },
+        "muon_exchange_bytes_per_step": {
+            "measured": sum(c.total for c in collectives if scopes.MUON_EXCHANGE in c.op_name),
+            "predicted": muon_cost.exchange_bytes_per_step(config),
         },
         "dense_layers": m.num_layers - m.num_moe_layers,
         "num_layers": m.num_layers,
@@ -233,6 +237,12 @@ def format_report(result: dict) -> str:
         f"(predicted {result['predicted_param_grad_bytes_per_step']:,}, "
         "moe_jax.plan.param_traffic)"
     )
+    muon = result["muon_exchange_bytes_per_step"]
+    if muon["measured"] or muon["predicted"]:
+        lines.append(
+            f"Muon's whole-matrix exchanges per step per device: {muon['measured']:,} "
+            f"(predicted {muon['predicted']:,.0f}, moe_jax.plan.muon_cost; within param_grad)"
+        )
     positions = result["document_positions_bytes_per_step"]
     if positions["measured"] or positions["predicted"]:
         lines.append(
