@@ -22,7 +22,7 @@ from moe_jax.moe.experts import kernel_of
 from moe_jax.parallel import registry
 from moe_jax.parallel.layout import DATA, INTRA
 from moe_jax.parallel.pipeline_schedule import one_f_one_b
-from moe_jax.plan import memory_experts, memory_mla
+from moe_jax.plan import memory_experts, memory_mla, muon_cost
 from moe_jax.plan.comm_volume import DTYPE_BYTES
 from moe_jax.plan.state_arrays import device_bytes, state_arrays, state_bytes, units
 
@@ -37,7 +37,9 @@ class Memory:
     placed like it (two with several micro-batches: the step's sum and the current
     micro-batch's); optimizer: AdamW's two moments and counts, the step
     counter and the RNG key; activations: what the forward keeps for the
-    backward, for every micro-batch in flight.
+    backward, for every micro-batch in flight, or under Muon the update's blocks of
+    whole matrices where they are more (`muon_cost.update_bytes`: held after the
+    backward has freed the activations).
     """
 
     params: int
@@ -355,7 +357,8 @@ def memory_per_device(config: Config, pp: int = 1, micro_batch: int | None = Non
         state["grads"] += state["grads"] * each // FP32
     kept, working = stage_activation_bytes(config, stage, True, micro_batch)
     working += mtp_table_gradient_bytes(config)
-    return Memory(**state, activations=kept * min(1, in_flight) + working)
+    update = int(muon_cost.update_bytes(config))
+    return Memory(**state, activations=max(kept * min(1, in_flight) + working, update))
 
 
 def _split_units(config: Config) -> tuple[list, list]:
@@ -421,4 +424,6 @@ def _pipeline_memory(config: Config, stages: int, micro_batch: int | None) -> Me
     state = state_bytes(config)
     repeats = p.repeats if p.stages > 1 else 1
     terms = pipeline_activation_bytes(config, stages, micro, repeats, micro_batch)
-    return Memory(**state, activations=sum(terms.values()))
+    return Memory(
+        **state, activations=max(sum(terms.values()), int(muon_cost.update_bytes(config)))
+    )
