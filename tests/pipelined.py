@@ -7,15 +7,12 @@ from __future__ import annotations
 import dataclasses
 import re
 
-import jax
-
 from moe_jax.config import Config, ParallelConfig
 from moe_jax.parallel import mesh as mesh_lib
 from moe_jax.parallel.scopes import PIPELINE
-from moe_jax.plan.resolve import check_plan
 from moe_jax.tools import hlo_collectives
 from moe_jax.train_step import abstract_state, with_shardings
-from tests.layouts import BASE
+from tests.layouts import BASE, planned_layout
 
 # The layout tests' model (tests/layouts.py) with a dense first layer and four MoE
 # layers, a sequence aux loss, and a batch M = 8 micro-batches can split.
@@ -56,13 +53,8 @@ def pipeline_trip_counts(hlo: str) -> list[int]:
     return counts
 
 
-def layout_of(config):
-    config = check_plan(config, jax.device_count())
-    return config, mesh_lib.make_layout(config, mesh_lib.make_mesh(config))
-
-
 def placed(config):
-    config, layout = layout_of(config)
+    config, layout = planned_layout(config)
     _, abstract = abstract_state(config, layout)
     shardings = mesh_lib.train_state_shardings(abstract, layout, config.parallel.zero)
     return config, layout, with_shardings(abstract, shardings), shardings

@@ -56,11 +56,16 @@ def global_peaks(seen: list[jax.Array], heads_axis=None, shards: int = 1) -> jax
         start = jax.lax.axis_index(heads_axis) * peak.shape[0]
         peak = jax.lax.dynamic_update_slice(whole, peak, (start,))
     # not over a pipeline's stages: they hold different layers (`pipeline.mean_stats`)
-    axes = tuple(sorted(varying_axes(peak) - {STAGE}))
+    return maximum(peak, varying_axes(peak) - {STAGE})
+
+
+def maximum(x: jax.Array, axes) -> jax.Array:
+    """`x`'s maximum over mesh `axes` (a set; empty: `x` itself), no gradient through
+    it, under the peaks' scope."""
     if not axes:
-        return peak
+        return x
     with jax.named_scope(ATTENTION_PEAKS):
-        return jax.lax.pmax(peak, axes)
+        return jax.lax.pmax(jax.lax.stop_gradient(x), tuple(sorted(axes)))
 
 
 def returning(body: Callable, heads_axis, shards: int) -> Callable:
@@ -106,14 +111,7 @@ def max_over_devices(peaks):
     """`peaks` (a tree) as their maximum over every mesh axis they still vary over: a
     step's metric, after a pipeline's stages have each put in their own layers'."""
 
-    def top(x):
-        axes = tuple(sorted(varying_axes(x)))
-        if not axes:
-            return x
-        with jax.named_scope(ATTENTION_PEAKS):
-            return jax.lax.pmax(jax.lax.stop_gradient(x), axes)
-
-    return jax.tree.map(top, peaks)
+    return jax.tree.map(lambda x: maximum(x, varying_axes(x)), peaks)
 
 
 def map_stats(summed: Callable, topped: Callable, *trees):

@@ -46,7 +46,7 @@ from jax.sharding import PartitionSpec as P
 
 from moe_jax.kernels.varying import varying_like
 from moe_jax.parallel.layout import STAGE, Layout
-from moe_jax.parallel.peaks import map_stats
+from moe_jax.parallel.peaks import map_stats, maximum
 from moe_jax.parallel.scopes import DOCUMENT_POSITIONS, PIPELINE, STAGE_SEND
 
 # The held stack's leading logical axes: [repeats, layers / repeats, ...], the second
@@ -156,11 +156,12 @@ def _run(layout: Layout, run_group, params, rest, x, positions, bubble: float):
     return y.reshape(x.shape), mean_stats(total, m)
 
 
-def empty_stats(shape, rows: int, like: tuple):
+def empty_stats(shape, rows: int | None, like: tuple):
     """Accumulators [rows, ...] for statistics of `shape` ([U / (R S), ...] per
-    statistic): zeros, and -inf for attention's peaks (`moe_jax.parallel.peaks`),
-    varying like the arrays `like`."""
-    empty = lambda fill: lambda s: jnp.full((rows, *s.shape[1:]), fill, s.dtype)
+    statistic; `rows` None: of `shape` itself): zeros, and -inf for attention's peaks
+    (`moe_jax.parallel.peaks`), varying like the arrays `like`."""
+    size = lambda s: s.shape if rows is None else (rows, *s.shape[1:])
+    empty = lambda fill: lambda s: jnp.full(size(s), fill, s.dtype)
     return varying_like(map_stats(empty(0), empty(-jnp.inf), shape), *like)
 
 
@@ -185,7 +186,7 @@ def mean_stats(total, m: int):
     mean over the `m` micro-batches, the peaks' maximum (`moe_jax.parallel.peaks`)."""
     return map_stats(
         lambda s: jax.lax.psum(s, STAGE) / m,
-        lambda s: jax.lax.pmax(jax.lax.stop_gradient(s), STAGE),
+        lambda s: maximum(s, {STAGE}),
         total,
     )
 

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from moe_jax.kernels.varying import varying_axes, varying_like, varying_zeros
 from moe_jax.parallel import pipeline
 from moe_jax.parallel.layout import STAGE, Layout, Parts
-from moe_jax.parallel.peaks import WithPeaks, map_stats, split_peaks
+from moe_jax.parallel.peaks import WithPeaks, map_stats, maximum, split_peaks
 from moe_jax.parallel.pipeline_schedule import NONE, ROWS, Table, one_f_one_b
 from moe_jax.parallel.scopes import DOCUMENT_POSITIONS, PIPELINE, STAGE_SEND
 
@@ -104,7 +104,7 @@ def _forward_only(layout, parts, params, tail_params, prefix_params, rest, token
     per_micro = lambda a: a.reshape(k, a.shape[0] // k, *a.shape[1:])
     items = (per_micro(y), jax.tree.map(per_micro, data))
     loss, metrics = jax.lax.map(lambda a: parts.tail(tail_params, *a), items)
-    top = lambda m: jax.lax.pmax(jax.lax.stop_gradient(m.max(0)), STAGE)
+    top = lambda m: maximum(m.max(0), {STAGE})
     metrics = map_stats(lambda m: jax.lax.pmean(m.mean(0), STAGE), top, metrics)
     return loss.mean() + parts.stats_loss(stats), metrics, stats
 
@@ -172,8 +172,7 @@ def _one_f_one_b(
     _, metrics_shape = jax.eval_shape(
         lambda y, d: tail(tail_params, y, jax.tree.map(lambda a: item(a, 0), d)), y_shape, data
     )
-    empty = lambda fill: lambda s: jnp.full(s.shape, fill, s.dtype)
-    sums = varying_like(map_stats(empty(0), empty(-jnp.inf), metrics_shape), *like)
+    sums = pipeline.empty_stats(metrics_shape, None, like)
     loss_sum = varying_zeros((), jnp.float32, *like)
     ring = [(j, (j + 1) % stages) for j in range(stages)]
     back = [(j, (j - 1) % stages) for j in range(stages)]
@@ -292,7 +291,7 @@ def _with_prefix(stats, prefix_peaks):
     moe, peak = split_peaks(stats)
     if peak is None:
         return stats
-    top = lambda p: jax.lax.pmax(jax.lax.stop_gradient(p), STAGE)
+    top = lambda p: maximum(p, {STAGE})
     return WithPeaks(moe, (peak, jax.tree.map(top, prefix_peaks)))
 
 

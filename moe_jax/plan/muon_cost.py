@@ -17,12 +17,13 @@ import math
 import re
 
 from jax.sharding import PartitionSpec as P
+from optax.contrib import MuonDimensionNumbers
 
 from moe_jax import optimizer
 from moe_jax.config import Config
 from moe_jax.parallel import registry
 from moe_jax.parallel.layout import DATA, STAGE, axes_of
-from moe_jax.parallel.muon_placement import whole_matrix_moves
+from moe_jax.parallel.muon_placement import batch_dims, whole_matrix_moves
 from moe_jax.plan import state_arrays
 from moe_jax.plan.op_costs import collective_time
 
@@ -100,8 +101,8 @@ def _muon_work(config: Config) -> MuonWork:
         axes = optimizer.MUON_MATRICES.get(_name(array.path))
         if array.part != "params" or axes is None or len(array.shape) < 2:
             continue
-        shape, (reduction, output) = array.shape, axes
-        batch = len(shape) - len(reduction) - len(output)
+        shape, reduction = array.shape, axes[0]
+        batch = batch_dims(shape, MuonDimensionNumbers(*axes))
         spec = state_arrays.placement(config, array)
         whole, _ = whole_matrix_moves(sizes, P(*spec), shape, batch)
         stack = math.prod(shape[:batch]) // math.prod(
