@@ -9,8 +9,10 @@ import dataclasses
 import functools
 import math
 
+from jax.sharding import PartitionSpec as P
+
 from moe_jax.config import Config
-from moe_jax.parallel import registry
+from moe_jax.parallel import distributed_optimizer, grad_exchange, registry
 from moe_jax.parallel.layout import DATA, INTRA, STAGE, axes_of
 from moe_jax.plan import comm_volume, muon_cost
 from moe_jax.plan.op_costs import PARAM_BYTES, Link
@@ -90,11 +92,15 @@ class GradSync:
         tick loop's backward. Each device sums its stage's 1/S of the stack over the mesh
         axes the stack is replicated on, and what every stage holds (embedding, head,
         dense prefix) over 'stage' as well."""
+        return _sync_time(self.pipeline_sync_traffic())
+
+    def pipeline_sync_traffic(self) -> list[tuple[float, int, Link]]:
+        """(bytes, group, link) of every collective of `pipeline_sync_s`."""
         from moe_jax.plan.state_arrays import placement_key  # traces: only when asked
 
         sizes = registry.mesh_sizes(self.sized)
         shards = _shards(placement_key(self.sized))
-        return _sync_time([sent for shard in shards for sent in self._sync(shard, sizes)])
+        return [sent for shard in shards for sent in self._sync(shard, sizes)]
 
     def _sync(self, shard: _Shard, sizes: dict[str, int]) -> list[tuple[float, int, Link]]:
         """(bytes, group, link) one device sends to sum one parameter's gradient over its
@@ -104,14 +110,12 @@ class GradSync:
         `parallel.grad_exchange`: one float32 all-reduce over the whole group, or
         'bf16_a2a' (bf16 all-to-alls, intra group first, the float32 shards gathered
         back: 3/4 of the paper's float32 bytes), with ZeRO-1's gather of the updated
-        parameters. FSDP's gradients are reduce-scattered over 'data' in every
-        micro-batch's backward (the transpose of its weight gathers)."""
+        parameters; the distributed optimizer's in every mode (`_distributed`). FSDP's
+        gradients are reduce-scattered over 'data' in every micro-batch's backward (the
+        transpose of its weight gathers)."""
         plan, p, splits = self.plan, self.plan.parallel, shard.splits
-        form = (
-            "hierarchical"
-            if plan.grad_sync == "hierarchical"
-            else self.sized.parallel.grad_exchange
-        )
+        paper = plan.grad_sync == "hierarchical" and p.zero < 2
+        form = "hierarchical" if paper else self.sized.parallel.grad_exchange
         dtype = comm_volume.DTYPE_BYTES[plan.grad_dtype] / PARAM_BYTES
         size = shard.bytes / (p.stages if shard.piped and STAGE not in splits else 1)
         inner = math.prod(sizes[a] for a in INTRA if a not in splits)
@@ -122,6 +126,8 @@ class GradSync:
             passes = self.micro_batches if shard.piped else 1
             scatter = {"fp32": 1.0, "bf16_a2a": 0.5}.get(form, dtype)
             out.append((passes * scatter * size * (p.data - 1), p.data, self.data_link))
+        if p.zero == 2:
+            return out + self._distributed(shard.cut, size, inner, outer, far)
         if form == "fp32":
             group = inner * outer
             out.append((2 * size * (group - 1) / group, group, far if outer > 1 else self.intra))
@@ -133,6 +139,32 @@ class GradSync:
             out.append((size * (p.data - 1) / p.data, p.data, self.data_link))
         return out
 
+    def _distributed(
+        self, cut: bool, size: float, inner: int, outer: int, far: Link
+    ) -> list[tuple[float, int, Link]]:
+        """The step's sum of one parameter under the distributed optimizer
+        (`parallel.zero=2`), as `moe_jax.parallel.distributed_optimizer` runs it whatever
+        `Plan.grad_sync` says: the accumulated float32 gradient reduce-scattered to the
+        masters over the g = inner x outer devices sharing it (one float32
+        reduce-scatter, or `grad_exchange='bf16_a2a'`'s bf16 all-to-all per level), and
+        the next step's compute copy all-gathered in `model.dtype`; a gradient that no
+        dimension lets g `cut` is all-reduced whole in float32."""
+        group = inner * outer
+        link = far if outer > 1 else self.intra
+        if group == 1:
+            return []
+        if not cut:
+            return [(2 * size * (group - 1) / group, group, link)]
+        if self.sized.parallel.grad_exchange == "bf16_a2a":
+            summed = [
+                (size / 2 * (inner - 1) / inner, inner, self.intra),
+                (size / 2 / inner * (outer - 1) / outer, outer, far),
+            ]
+        else:
+            summed = [(size * (group - 1) / group, group, link)]
+        wire = comm_volume.DTYPE_BYTES[self.sized.model.dtype] / PARAM_BYTES
+        return [*summed, (wire * size * (group - 1) / group, group, link)]
+
 
 @dataclasses.dataclass(frozen=True)
 class _Shard:
@@ -140,8 +172,9 @@ class _Shard:
 
     piped: bool  # of the pipelined MoE stack (split over 'stage' when pipelined)
     bytes: int  # on one device (`state_arrays.device_bytes`: a pipelined stack split over 'stage')
-    splits: frozenset[str]  # mesh axes it is split over
+    splits: frozenset[str]  # mesh axes its compute copy is split over
     moment_splits: frozenset[str]  # those of its optimizer moments (ZeRO-1: 'data')
+    cut: bool  # whether its summing devices divide a dimension (distributed optimizer)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -149,14 +182,23 @@ def _shards(config: Config) -> tuple[_Shard, ...]:
     """Every parameter of the train state as one device holds it under `config`."""
     from moe_jax.plan import state_arrays  # traces the train state: only when asked
 
+    sizes = registry.mesh_sizes(config)
+
+    def cut(array) -> bool:
+        names = state_arrays.names_of(config, array)
+        spec = P(*state_arrays.placement(config, array, master=False))
+        start = distributed_optimizer.start_of(names)
+        return grad_exchange.cut_dimension(sizes, spec, array.shape, start) is not None
+
     return tuple(
         _Shard(
             piped=array.stack == "moe",
-            bytes=state_arrays.device_bytes(config, array),
-            splits=_axes(state_arrays.placement(config, array)),
+            bytes=state_arrays.device_bytes(config, array, master=False),
+            splits=_axes(state_arrays.placement(config, array, master=False)),
             moment_splits=_axes(
                 state_arrays.placement(config, dataclasses.replace(array, moment=True))
             ),
+            cut=cut(array),
         )
         for array in state_arrays.state_arrays(config)
         if array.part == "params"
