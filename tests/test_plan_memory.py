@@ -514,10 +514,11 @@ def test_gradient_accumulation_holds_a_second_gradient():
 # (the same layout with static buffers). The 2,048-H800 plan runs 4 sequences: at its
 # 10, XLA:CPU widens the bf16 all-to-all's buffers to float32 (16 f32[20480, 7168] at
 # the peak, 9.4 GB a GPU keeps in bf16), 76.4 GB compiled against 65.4 predicted, 67.0
-# less the widening. One line per plan.
+# less the widening. One line per plan. The 256-H100 plan (no chunks, 1 sequence:
+# 33.4 GB compiled against 33.2 predicted when last run) is left out of the suite, as
+# the 2,048-H800 plan runs everything it does and more.
 V3_PLANS = {
     "2048xh800": dict(overlap_chunks=2, sequences=4),
-    "256xh100": dict(overlap_chunks=1, sequences=1),
 }
 DEEPSEEK_V3_64 = textwrap.dedent(
     """
