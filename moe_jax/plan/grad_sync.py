@@ -9,10 +9,8 @@ import dataclasses
 import functools
 import math
 
-from jax.sharding import PartitionSpec as P
-
 from moe_jax.config import Config
-from moe_jax.parallel import distributed_optimizer, grad_exchange, registry
+from moe_jax.parallel import registry
 from moe_jax.parallel.layout import DATA, INTRA, STAGE, axes_of
 from moe_jax.plan import comm_volume, muon_cost
 from moe_jax.plan.op_costs import PARAM_BYTES, Link
@@ -126,8 +124,9 @@ class GradSync:
             passes = self.micro_batches if shard.piped else 1
             scatter = {"fp32": 1.0, "bf16_a2a": 0.5}.get(form, dtype)
             out.append((passes * scatter * size * (p.data - 1), p.data, self.data_link))
-        if p.zero == 2:
-            return out + self._distributed(shard.cut, size, inner, outer, far)
+        if p.zero == 2:  # the master split further than the compute copy: cut
+            cut = shard.master_splits != splits
+            return out + self._distributed(cut, size, inner, outer, far)
         if form == "fp32":
             group = inner * outer
             out.append((2 * size * (group - 1) / group, group, far if outer > 1 else self.intra))
@@ -174,21 +173,13 @@ class _Shard:
     bytes: int  # on one device (`state_arrays.device_bytes`: a pipelined stack split over 'stage')
     splits: frozenset[str]  # mesh axes its compute copy is split over
     moment_splits: frozenset[str]  # those of its optimizer moments (ZeRO-1: 'data')
-    cut: bool  # whether its summing devices divide a dimension (distributed optimizer)
+    master_splits: frozenset[str]  # those of its float32 master (ZeRO-2: further cut)
 
 
 @functools.lru_cache(maxsize=1024)
 def _shards(config: Config) -> tuple[_Shard, ...]:
     """Every parameter of the train state as one device holds it under `config`."""
     from moe_jax.plan import state_arrays  # traces the train state: only when asked
-
-    sizes = registry.mesh_sizes(config)
-
-    def cut(array) -> bool:
-        names = state_arrays.names_of(config, array)
-        spec = P(*state_arrays.placement(config, array, master=False))
-        start = distributed_optimizer.start_of(names)
-        return grad_exchange.cut_dimension(sizes, spec, array.shape, start) is not None
 
     return tuple(
         _Shard(
@@ -198,7 +189,7 @@ def _shards(config: Config) -> tuple[_Shard, ...]:
             moment_splits=_axes(
                 state_arrays.placement(config, dataclasses.replace(array, moment=True))
             ),
-            cut=cut(array),
+            master_splits=_axes(state_arrays.placement(config, array)),
         )
         for array in state_arrays.state_arrays(config)
         if array.part == "params"
