@@ -22,7 +22,13 @@ from moe_jax.model import mtp as mtp_lib
 from moe_jax.model.loss import loss_chunks, with_loss_weights
 from moe_jax.model.transformer import split_peaks
 from moe_jax.moe.balancing import update_biases
-from moe_jax.parallel import distributed_optimizer, grad_exchange, muon_placement, per_device_step
+from moe_jax.parallel import (
+    distributed_optimizer,
+    grad_exchange,
+    muon_placement,
+    per_device_step,
+    pipeline_1f1b,
+)
 from moe_jax.parallel import mesh as mesh_lib
 from moe_jax.parallel import peaks as peaks_lib
 from moe_jax.parallel.layout import Layout
@@ -120,6 +126,20 @@ def _param_specs(state: TrainState, layout: Layout):
     return jax.tree.map(lambda s: s.spec, mesh_lib.state_shardings(state.params, layout))
 
 
+def _synced(state: TrainState, layout: Layout, config: Config):
+    """Which weights' gradients the backward sums itself (`per_device_step.step_gradients`):
+    the distributed optimizer's stacked weights, layer by layer, or a 1F1B pipeline's
+    stack (the model's `moe` stack), in the tick loop; None: all after the backward."""
+    p = config.parallel
+    if distributed_optimizer.syncs_in_backward(layout.zero, layout.stages, config.train.grad_accum):
+        return distributed_optimizer.starts(state.params)
+    if layout.loss_in_pipeline and pipeline_1f1b.sums_in_loop(p.schedule, p.zero, p.grad_exchange):
+        in_stack = lambda path, v: v.replace(path[0].key == "moe")
+        is_variable = lambda x: isinstance(x, nnx.Variable)
+        return jax.tree_util.tree_map_with_path(in_stack, state.params, is_leaf=is_variable)
+    return None
+
+
 def pipelined_loss(config: Config):
     """`loss_fn` for a pipelined model: its router statistics come as means over the
     `parallel.microbatches` micro-batches, so the load (a count) is scaled back to the
@@ -161,9 +181,7 @@ def gradients(state: TrainState, graphdef, batch, config: Config):
         specs,
         config.model.dtype,
         starts,
-        in_backward=distributed_optimizer.syncs_in_backward(
-            layout.zero, layout.stages, config.train.grad_accum
-        ),
+        _synced(state, layout, config),
     )
     if layout.grad_exchange == "fp32" or layout.zero == 2:  # placed as the masters
         return metrics, grads

@@ -88,10 +88,15 @@ def test_steps_equal_zero_stage_0(name: str, grad_accum: int):
 def _sums_beside_the_backward(hlo: str) -> tuple[int, int]:
     """Def-use walk over the compiled program: (gradient sums inside a loop body, those
     outside any). Every sum in a loop body (the layer scan's backward) has a GEMM of the
-    same body (a dot, or a fusion holding one) that neither feeds it nor waits for it:
-    the layer's backward it can overlap."""
+    same body (a dot, or a fusion or conditional holding one) that neither feeds it nor
+    waits for it: the backward it can overlap."""
     program = hlo_collectives.instructions(hlo)
     with_dot = {ins.computation for ins in program if ins.opcode == "dot"}
+    while True:  # and those calling them (fusions, a conditional's branches)
+        more = {ins.computation for ins in program if ins.called & with_dot} - with_dot
+        if not more:
+            break
+        with_dot |= more
     entry = {ins.computation for ins in program if ins.opcode == "parameter"} - {
         name for ins in program for name in ins.called
     }
@@ -107,7 +112,7 @@ def _sums_beside_the_backward(hlo: str) -> tuple[int, int]:
         gemms = {
             ins.name
             for ins in body.values()
-            if ins.opcode == "dot" or (ins.opcode == "fusion" and ins.called & with_dot)
+            if ins.opcode == "dot" or (ins.opcode != "while" and ins.called & with_dot)
         }
         for ins in body.values():
             kind = ins.opcode.removesuffix("-start")

@@ -17,11 +17,12 @@ import pytest
 from moe_jax.config import ParallelConfig
 from moe_jax.parallel import mesh as mesh_lib
 from moe_jax.parallel import pipeline, pipeline_1f1b
-from moe_jax.parallel.pipeline_schedule import NONE, one_f_one_b
+from moe_jax.parallel.pipeline_schedule import NONE, loop_sums, one_f_one_b
 from moe_jax.plan.resolve import check_plan
 from tests import pipelined as piped
 from tests.layouts import assert_trees_close, on_ragged_dot, planned, reference, run_under
 from tests.pipelined import MODEL, pipeline_trip_counts
+from tests.test_distributed_optimizer import _sums_beside_the_backward
 from tests.test_pipeline import _assert_equal_one_device
 
 # --- the tables ---------------------------------------------------------------------
@@ -115,11 +116,17 @@ def test_loss_gradients_and_three_steps_equal_one_device(case):
     config, ref = _configs(case)
     run = planned(config)
     _assert_equal_one_device(run, reference(ref))
-    # one tick loop as long as the table (the backward runs inside it), not GPipe's two
+    # the table's ticks in one loop (the backward runs inside it), not GPipe's two; with
+    # repeats, the drain's ticks in a second, each summing a part of the last repeats'
+    # gradients beside backward GEMMs it can overlap, repeat 0's after the loop
     s, m, r = config.parallel.stages, config.parallel.microbatches, config.parallel.repeats
+    table = one_f_one_b(s, m, r)
+    sums = loop_sums(table)
+    ticks = [table.ticks] if sums is None else [sums.start, table.ticks - sums.start]
     trips = pipeline_trip_counts(run.hlo)
-    assert trips.count(one_f_one_b(s, m, r).ticks) == 1, trips
-    assert m * r + s - 1 not in trips, trips
+    assert all(trips.count(t) == ticks.count(t) for t in {*ticks, m * r + s - 1}), trips
+    looped, after = _sums_beside_the_backward(run.hlo)
+    assert after > 0 and (looped > 0) == (sums is not None), (looped, after)
 
 
 def test_poisoned_buffers_change_nothing():

@@ -16,7 +16,16 @@ import pytest
 from moe_jax import config as config_lib
 from moe_jax.config import Config, ParallelConfig
 from moe_jax.parallel import registry
-from moe_jax.plan import cost_model, hardware, op_costs, paper_modes, paper_table, planner, schedule
+from moe_jax.plan import (
+    cost_model,
+    grad_sync,
+    hardware,
+    op_costs,
+    paper_modes,
+    paper_table,
+    planner,
+    schedule,
+)
 from moe_jax.plan.cost_model import make_plan
 from moe_jax.plan.op_costs import Link
 from tests import warm as warm_commands
@@ -84,6 +93,32 @@ def test_pipeline_step_is_gpipe_ticks_and_the_parts_outside():
     assert cost.step_s == pytest.approx(pipelined + rest)
     assert sum(cost.breakdown.values()) == pytest.approx(cost.step_s)
     assert cost.hidden["grad_sync"] == 0  # summed once, after the backward
+
+
+def test_one_f_one_b_sums_the_last_repeats_in_its_drain():
+    """Mixtral-8x7B over S = 4 stages, M = 8 micro-batches, R = 2 repeats: GPipe sums
+    every gradient after its loop, exposed. 1F1B's loop ends in 4 drain ticks after its
+    last backward of repeat 1 (`pipeline_schedule.loop_sums`), each summing a quarter of
+    repeat 1's stack gradients behind the tick's backward; repeat 0's half of the stack,
+    and what every stage holds, after the loop. Same bytes, by hand."""
+    plans = {
+        s: _pipeline("mixtral_8x7b", 16, "sp", "ep_a2a", 8, 2, 4, repeats=2, schedule=s)
+        for s in ("gpipe", "1f1b")
+    }
+    gpipe, one = (plans[s].step() for s in ("gpipe", "1f1b"))
+    model = plans["1f1b"]
+    loop, rest = model.pipeline_sync_parts(1.0)
+    assert sum(b for b, _, _ in loop + rest) == sum(b for b, _, _ in model.pipeline_sync_traffic())
+    assert gpipe.breakdown["grad_sync"] == pytest.approx(grad_sync.sync_time(loop + rest))
+    assert gpipe.hidden["grad_sync"] == 0
+    half = [(b / 2, g, link) for b, g, link in loop]
+    quarter = grad_sync.sync_time([(b / 4, g, link) for b, g, link in half])
+    backward = model.tick().backward
+    shown = 4 * max(0.0, quarter - backward)
+    assert one.breakdown["grad_sync"] == pytest.approx(grad_sync.sync_time(rest + half) + shown)
+    assert one.hidden["grad_sync"] == pytest.approx(4 * quarter - shown)
+    assert one.hidden["grad_sync"] > 0
+    assert one.breakdown["grad_sync"] < gpipe.breakdown["grad_sync"]
 
 
 def test_circular_repeats_shrink_the_bubble():

@@ -103,7 +103,7 @@ def step_gradients(
     specs,
     dtype=None,
     starts=None,
-    in_backward: bool = False,
+    synced=None,
 ):
     """`gradients(params, biases, batch, loss_of, sync) -> (metrics, grads)` run per
     device in one shard_map over the mesh: `loss_of(loss_fn)` makes the mean over all
@@ -115,10 +115,14 @@ def step_gradients(
     Under the distributed optimizer (`layout.zero == 2`) `params` are the float32
     masters (`starts`: where each may be cut, `distributed_optimizer.starts`), each
     gathered in `dtype` for the step (`distributed_optimizer.compute_weights`), and every
-    gradient leaves as its master's float32 shard. With `in_backward`
-    (`distributed_optimizer.syncs_in_backward`) `sync` is then a `BackwardSync`, with
-    which `gradients` reduces the stacked weights' gradients inside the backward
-    (`moe_jax.parallel.layer_sync`); else None, and all are reduced after it."""
+    gradient leaves as its master's float32 shard.
+
+    `synced` (a tree of bools like `params`, or None) marks the weights whose gradients
+    `gradients` sums itself, inside the backward: `sync` is then a `BackwardSync` that
+    hands it those weights as `layer_sync.Synced` (the distributed optimizer's stacked
+    weights, layer by layer, `distributed_optimizer.syncs_in_backward`; a 1F1B
+    pipeline's stack, in its tick loop, `pipeline_1f1b.sums_in_loop`); else None, and
+    all are summed after it."""
     sizes = layout.mesh.shape
     shapes = jax.tree.map(lambda p: p.shape, params)
     if starts is None:
@@ -127,8 +131,11 @@ def step_gradients(
     compressed = layout.grad_exchange == "bf16_a2a"
     distributed = layout.zero == 2
 
-    def reduce(spec, g, shape, start):
-        if in_backward and start:  # reduced in the backward (`BackwardSync`)
+    synced = jax.tree.map(lambda _: False, specs, is_leaf=is_spec) if synced is None else synced
+    in_backward = any(jax.tree.leaves(synced))
+
+    def reduce(spec, g, shape, start, synced):
+        if synced:  # reduced in the backward (`BackwardSync`)
             return g
         if distributed:
             return distributed_optimizer.reduce_gradient(sizes, g, spec, shape, compressed, start)
@@ -145,10 +152,11 @@ def step_gradients(
 
         masters = params
         params = jax.tree.map(varying, specs, params, shapes, starts, is_leaf=is_spec)
-        sync = BackwardSync(sizes, specs, shapes, starts, masters, compressed)
+        sync = BackwardSync(sizes, specs, shapes, synced, masters, compressed, distributed)
         sync = sync if in_backward else None
         metrics, grads = gradients(params, biases, local(batch), mean_over_devices, sync)
-        return metrics, jax.tree.map(reduce, specs, grads, shapes, starts, is_leaf=is_spec)
+        trees = specs, grads, shapes, starts, synced
+        return metrics, jax.tree.map(reduce, *trees, is_leaf=is_spec)
 
     bias_specs = jax.tree.map(lambda _: P(), biases)
     reduced = grad_exchange.reduced_specs(sizes, specs, shapes, starts)
@@ -164,29 +172,35 @@ def step_gradients(
 
 @dataclasses.dataclass(frozen=True)
 class BackwardSync:
-    """What the loss differentiates under the distributed optimizer when the backward
-    syncs: the master shard of each stacked weight (`start` 1), whose gradient its
-    layer's backward reduces (`layer_sync.Synced`), and the compute copy of every other."""
+    """What the loss differentiates when its backward sums some gradients itself: the
+    master of each `synced` weight (the distributed optimizer's float32 shard, whose
+    layer's backward reduces its gradient; else the parameter as stored, summed by a
+    float32 all-reduce over the devices sharing it) and the compute copy of every other."""
 
     sizes: dict
     specs: object  # each parameter's spec (as the layout places its compute copy)
     shapes: object  # each parameter's global shape
-    starts: object  # `distributed_optimizer.starts`: 1 for a stacked weight
-    masters: object  # this device's float32 master shards
+    synced: object  # True for a weight whose gradient the backward sums
+    masters: object  # this device's parameters as stored (float32 master shards)
     compressed: bool  # `grad_exchange='bf16_a2a'`
+    distributed: bool  # `parallel.zero=2`
 
     def variables(self, compute):
         """The tree to differentiate, given the compute copies."""
-        pick = lambda spec, start, master, weight: master if start else weight
-        return jax.tree.map(pick, self.specs, self.starts, self.masters, compute, is_leaf=is_spec)
+        pick = lambda spec, synced, master, weight: master if synced else weight
+        trees = self.specs, self.synced, self.masters, compute
+        return jax.tree.map(pick, *trees, is_leaf=is_spec)
 
     def params(self, variables, compute):
-        """The parameters the loss reads: each stacked weight a `Synced` of its master
+        """The parameters the loss reads: each synced weight a `Synced` of its master
         (from `variables`) and compute copy."""
 
-        def param(spec, shape, start, variable, weight):
-            if not start:
+        def param(spec, shape, synced, variable, weight):
+            if not synced:
                 return variable
+            if not self.distributed:  # any part of it: an all-reduce
+                axes = summed_axes(spec)
+                return Synced(variable, weight, partial(_summed, axes=axes))
             reduce = partial(  # of one layer's slice
                 distributed_optimizer.reduce_gradient,
                 self.sizes,
@@ -196,5 +210,10 @@ class BackwardSync:
             )
             return Synced(variable, weight, reduce)
 
-        trees = self.specs, self.shapes, self.starts, variables, compute
+        trees = self.specs, self.shapes, self.synced, variables, compute
         return jax.tree.map(param, *trees, is_leaf=is_spec)
+
+
+def _summed(g: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """`g` summed over the devices of `axes` (itself where there are none)."""
+    return jax.lax.psum(g, axes) if axes else g

@@ -29,6 +29,13 @@ and loss weights only), as Megatron's last stage runs them. The objective each d
 returns is S / M times its share (the last stage's loss sums, each stage's MoE terms
 over its layers), so that the mean over all devices is the mean loss over the
 micro-batches, as GPipe's.
+
+Where the step marks the stack's weights `layer_sync.Synced` (float32 sums, ZeRO 0 and
+1: `sums_in_loop`), the loop also sums their gradients over the devices that share
+them: a repeat's as soon as every stage has run its last backward of it, a part per
+tick through the drain (`pipeline_schedule.loop_sums`), so the sums cross the network
+while the drain's backward computes; only the first repeats' (repeat 0's at least) wait
+until after the loop. The gradients leave already summed, as the masters' cotangents.
 """
 
 from __future__ import annotations
@@ -38,16 +45,24 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from moe_jax.kernels.varying import varying_axes, varying_like, varying_zeros
+from moe_jax.kernels.varying import typed_as_summed, varying_axes, varying_like, varying_zeros
 from moe_jax.parallel import pipeline
+from moe_jax.parallel.layer_sync import Synced, is_synced
 from moe_jax.parallel.layout import STAGE, Layout, Parts
 from moe_jax.parallel.peaks import WithPeaks, map_stats, maximum, split_peaks
-from moe_jax.parallel.pipeline_schedule import NONE, ROWS, Table, one_f_one_b
-from moe_jax.parallel.scopes import DOCUMENT_POSITIONS, PIPELINE, STAGE_SEND
+from moe_jax.parallel.pipeline_schedule import NONE, ROWS, Table, loop_sums, one_f_one_b
+from moe_jax.parallel.scopes import DOCUMENT_POSITIONS, GRAD_EXCHANGE, PIPELINE, STAGE_SEND
 
 
 def table(layout: Layout) -> Table:
     return one_f_one_b(layout.stages, layout.microbatches, layout.repeats)
+
+
+def sums_in_loop(schedule: str, zero: int, grad_exchange: str) -> bool:
+    """Whether the step has the 1F1B loop sum the stack's gradients (float32 sums of
+    ZeRO 0 and 1; the distributed optimizer and the bf16 exchange sum after the loop).
+    The trainer and the planner both ask here."""
+    return schedule == "1f1b" and zero < 2 and grad_exchange == "fp32"
 
 
 def run_loss(
@@ -86,7 +101,15 @@ def _objective(layout: Layout, parts: Parts, bubble: float):
 
     def bwd(kept, cotangents):
         (grads, primals), ct = kept, cotangents[0]
-        scale = lambda g, p: _typed_like((g * ct.astype(g.dtype)).astype(g.dtype), p)
+
+        def scale(g, p):
+            if not is_synced(p):
+                return _typed_like((g * ct.astype(g.dtype)).astype(g.dtype), p)
+            # summed in the loop, so the same on the devices that share the weight; the
+            # objective's cotangent is too (the loss is their mean)
+            master = typed_as_summed((g * ct.astype(g.dtype)).astype(p.master.dtype), p.master)
+            return Synced(master, varying_like(jnp.zeros_like(p.compute), p.compute), p.reduce)
+
         return (*jax.tree.map(scale, grads, primals), None, None, None, None)
 
     objective.defvjp(fwd, bwd)
@@ -97,6 +120,7 @@ def _forward_only(layout, parts, params, tail_params, prefix_params, rest, token
     """The same objective by the prefix on the stage's own micro-batches, GPipe's forward
     and the tail on each of them, one at a time (its mean over all devices equals the
     loop's)."""
+    params = _compute(params)
     x, prefix_peaks = parts.prefix(prefix_params, tokens, positions)
     y, stats = pipeline.run(layout, parts.run_group, params, rest, x, positions)
     stats = _with_prefix(stats, prefix_peaks)
@@ -117,6 +141,11 @@ def _one_f_one_b(
     run_group, tail, stats_loss, prefix = parts
     stages, m, repeats = layout.stages, layout.microbatches, layout.repeats
     sched = table(layout)
+    leaves = jax.tree.leaves(params, is_leaf=is_synced)
+    reduces = [x.reduce for x in leaves if is_synced(x)]
+    assert len(reduces) in (0, len(leaves)), "the step syncs all of the stack or none"
+    in_loop = loop_sums(sched) if reduces else None
+    params = _compute(params)
     k = m // stages
     me = jax.lax.axis_index(STAGE)
     per_micro = lambda a: a.reshape(k, a.shape[0] // k, *a.shape[1:])
@@ -257,8 +286,10 @@ def _one_f_one_b(
             d_local, dx, g_prefix = jax.lax.cond(
                 starts("backward"), through_prefix, stack_only, g_prefix
             )
-            # a scatter-add, in place (a read-modify-write of the slice copied a repeat)
-            g_params = jax.tree.map(lambda acc, d: acc.at[rb].add(d), g_params, d_local)
+            # a scatter-add, in place (a read-modify-write of the slice copied a repeat);
+            # where the loop sums them, into the repeat's row of the flat accumulators
+            add = lambda acc, d: acc.at[rb].add(d.reshape(acc.shape[1:]))
+            g_params = jax.tree.map(add, g_params, d_local)
             return g_params, g_prefix, dx
 
         g_params, g_prefix, dx = jax.lax.cond(
@@ -274,9 +305,40 @@ def _one_f_one_b(
         return carry, None
 
     totals = (total, prefix_peaks)
+    if reduces:  # each repeat's gradients one row, summed a part at a time
+        g_params = jax.tree.map(lambda g: g.reshape(g.shape[0], -1), g_params)
     carry = (inbox, gbox, zeros_x, zeros_x, g_params, g_tail, g_prefix, totals, sums, loss_sum)
-    carry, _ = jax.lax.scan(tick, carry, rows)
+    if in_loop is None:
+        carry, _ = jax.lax.scan(tick, carry, rows)
+    else:  # the same ticks, then the drain's with a part of the sums each
+        head = jax.tree.map(lambda a: a[: in_loop.start], rows)
+        drain = jax.tree.map(lambda a: a[in_loop.start :], rows)
+        carry, _ = jax.lax.scan(tick, carry, head)
+
+        def tick_and_sum(carry, xs):
+            row, r, c = xs
+            parts = [_part(acc, r, c, in_loop.chunks) for acc in jax.tree.leaves(carry[4])]
+            # the parts read before the tick adds into the accumulators in place (else
+            # XLA keeps a copy of them all for the reads)
+            g_params, parts = jax.lax.optimization_barrier((carry[4], parts))
+            carry = (*carry[:4], g_params, *carry[5:])
+            with jax.named_scope(GRAD_EXCHANGE):  # needs nothing of this tick's backward
+                summed = [reduce(part) for reduce, (part, _, _) in zip(reduces, parts, strict=True)]
+            carry, _ = tick(carry, row)  # its backward adds into other repeats' rows
+            accs, tree = jax.tree.flatten(carry[4])
+            new = [_put_part(acc, r, s, *p) for acc, s, p in zip(accs, summed, parts, strict=True)]
+            return (*carry[:4], jax.tree.unflatten(tree, new), *carry[5:]), None
+
+        r, c = (jnp.asarray(a) for a in in_loop.rows(sched.ticks))
+        carry, _ = jax.lax.scan(tick_and_sum, carry, (drain, r, c))
     _, _, _, _, g_params, g_tail, g_prefix, (total, prefix_peaks), sums, loss_sum = carry
+    if reduces:  # the repeats not summed in the loop, then each gradient in its shape
+        first = repeats if in_loop is None else in_loop.after
+        accs, tree = jax.tree.flatten(g_params)
+        with jax.named_scope(GRAD_EXCHANGE):
+            accs = [a.at[:first].set(f(a[:first])) for a, f in zip(accs, reduces, strict=True)]
+        shape = lambda acc, p: acc.reshape(p.shape)
+        g_params = jax.tree.map(shape, jax.tree.unflatten(tree, accs), held)
     if repeats == 1:
         g_params = jax.tree.map(lambda g: g[0], g_params)
     stats = _with_prefix(pipeline.mean_stats(total, m), prefix_peaks)
@@ -309,6 +371,28 @@ def _masked(on, g):
     if STAGE not in varying_axes(g):
         return g
     return jnp.where(on, g, jnp.zeros_like(g))
+
+
+def _compute(params):
+    """The stack's weights as the layers read them: each `Synced` its compute copy."""
+    return jax.tree.map(lambda x: x.compute if is_synced(x) else x, params, is_leaf=is_synced)
+
+
+def _part(acc: jax.Array, r, c, chunks: int):
+    """(part c of `chunks` of row r of a flat [R, n] accumulator, where it begins, which
+    of its elements are part c's): parts of ceil(n / chunks) elements, the last moved
+    back to end at n (its elements the part before summed already are not its own)."""
+    n = acc.shape[1]
+    size = -(-n // chunks)
+    begin = jnp.minimum(c * size, n - size)
+    fresh = begin + jnp.arange(size) >= c * size
+    return jax.lax.dynamic_slice(acc, (r, begin), (1, size)), begin, fresh
+
+
+def _put_part(acc: jax.Array, r, summed, part, begin, fresh) -> jax.Array:
+    """`acc` with its `part` (`_part`) in row r replaced by the part's sum `summed`."""
+    new = jnp.where(fresh, summed.astype(acc.dtype), part)
+    return jax.lax.dynamic_update_slice(acc, new, (r, begin))
 
 
 def _kept(inbox, slot):

@@ -192,3 +192,44 @@ def in_flight(table: Table) -> int:
     """The most stage inputs one stage keeps at once (its buffer's slots), a
     micro-batch's stream each; stage 0 also keeps the M embedded inputs."""
     return table.slots
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopSums:
+    """Where the 1F1B loop sums the stack's gradients over the devices that share them
+    (`moe_jax.parallel.pipeline_1f1b`). Repeat r's weight gradients are final once every
+    stage has run its last backward item of r, and in interleaved 1F1B the last group of
+    micro-batches runs its backward through the repeats from the last down, S ticks
+    each: repeats R - 1 .. R - n are final while the drain still computes. From tick
+    `start` to the loop's end each tick sums one of `chunks` equal parts of one of them
+    (repeat R - 1 first), each after its repeat is final; repeats 0 .. R - n - 1 (at
+    least repeat 0, final in the last tick) are summed after the loop."""
+
+    start: int
+    chunks: int
+    summed: int  # n: the repeats summed in the loop, the last ones
+    repeats: int  # R
+
+    def rows(self, ticks: int) -> tuple[np.ndarray, np.ndarray]:
+        """(repeat, part) summed in each tick from `start` to `ticks`."""
+        k = np.arange(ticks - self.start, dtype=np.int32)
+        return self.repeats - 1 - k // self.chunks, k % self.chunks
+
+    @property
+    def after(self) -> int:
+        """The repeats summed after the loop: 0 .. R - n - 1."""
+        return self.repeats - self.summed
+
+
+def loop_sums(table: Table) -> LoopSums | None:
+    """The most parts per repeat that fit the drain (smaller parts: less to hide behind
+    each tick), with as many repeats in the loop as fit; None where none does (R = 1)."""
+    r_, ticks = table.repeats, table.ticks
+    final = [int(np.nonzero((table.backward_repeat == r).any(1))[0].max()) for r in range(r_)]
+    first = final[-1] + 1  # the first tick after the last repeat is final
+    for n in range(r_ - 1, 0, -1):
+        chunks = (ticks - first) // n
+        start = ticks - n * chunks  # the parts end with the loop
+        if chunks and all(start + (r_ - 1 - r) * chunks > final[r] for r in range(r_ - n, r_)):
+            return LoopSums(start, chunks, n, r_)
+    return None

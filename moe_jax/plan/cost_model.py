@@ -53,11 +53,13 @@ Model, per device and per micro-batch of the slowest pipeline stage:
     stack, and the embedding, head and dense prefix, held on every stage, over
     'stage' too) + the optimizer over the stage's parameters. 1F1B
     (`parallel.schedule`): the same ticks, the head of the M micro-batches on the
-    last stage, the sends to stage 0 and back once. Megatron-LM's and
-    MegaScale-MoE's 1F1B (`PAPER_PIPELINE`, for `moe_jax.plan.paper_table` and
-    the Megatron-LM baseline only, never offered to the trainer): layers cut
-    contiguously, embedding on the first stage, head on the last, step = (m + p - 1)
-    micro-batches of the slowest stage, activations sent every micro-batch.
+    last stage, the sends to stage 0 and back once, and the last repeats' gradient
+    sums in the loop's drain, behind its backward (`GradSync.pipeline_sync_split`).
+    Megatron-LM's and MegaScale-MoE's 1F1B (`PAPER_PIPELINE`, for
+    `moe_jax.plan.paper_table` and the Megatron-LM baseline only, never offered to the
+    trainer): layers cut contiguously, embedding on the first stage, head on the last,
+    step = (m + p - 1) micro-batches of the slowest stage, activations sent every
+    micro-batch.
 
 Constants: `moe_jax.plan.op_costs` (`Efficiency`).
 """

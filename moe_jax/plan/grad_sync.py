@@ -10,7 +10,7 @@ import functools
 import math
 
 from moe_jax.config import Config
-from moe_jax.parallel import registry
+from moe_jax.parallel import pipeline_1f1b, pipeline_schedule, registry
 from moe_jax.parallel.layout import DATA, INTRA, STAGE, axes_of
 from moe_jax.plan import comm_volume, muon_cost
 from moe_jax.plan.op_costs import PARAM_BYTES, Link
@@ -86,19 +86,81 @@ class GradSync:
         return params / shards * optimizer_bytes_per_param(moment, moments) / bandwidth
 
     def pipeline_sync_s(self) -> float:
-        """The pipelined step's gradient sum, exposed: the trainer runs it once, after the
-        tick loop's backward. Each device sums its stage's 1/S of the stack over the mesh
-        axes the stack is replicated on, and what every stage holds (embedding, head,
-        dense prefix) over 'stage' as well."""
-        return _sync_time(self.pipeline_sync_traffic())
+        """The pipelined step's gradient sum, all of it after the tick loop's backward
+        (GPipe; 1F1B's drain sums a part, `pipeline_sync_split`). Each device sums its
+        stage's 1/S of the stack over the mesh axes the stack is replicated on, and what
+        every stage holds (embedding, head, dense prefix) over 'stage' as well."""
+        return sync_time(self.pipeline_sync_traffic())
+
+    def pipeline_sync_split(self, loop: list, rest: list, backward_s: float) -> tuple[float, float]:
+        """(exposed, hidden) seconds of the pipelined step's gradient sums, given
+        `pipeline_sync_parts(1.0)`: where the 1F1B loop sums the stack's
+        (`pipeline_1f1b.sums_in_loop`), the last n of its R repeats' a part per drain
+        tick (`pipeline_schedule.loop_sums`), each hidden behind the tick's backward
+        (`backward_s`) but for what outlasts it; the rest after the loop, exposed."""
+        p = self.plan.parallel
+        sums = None
+        if pipeline_1f1b.sums_in_loop(p.schedule, p.zero, self.sized.parallel.grad_exchange):
+            table = pipeline_schedule.one_f_one_b(p.stages, self.micro_batches, p.repeats)
+            sums = pipeline_schedule.loop_sums(table)
+        if sums is None:
+            return sync_time(loop + rest), 0.0
+        share, ticks = sums.summed / sums.repeats, sums.summed * sums.chunks
+        after = [(sent * (1 - share), group, link) for sent, group, link in loop]
+        part = sync_time([(sent * share / ticks, group, link) for sent, group, link in loop])
+        shown = ticks * max(0.0, part - backward_s)
+        return sync_time(rest + after) + shown, ticks * part - shown
 
     def pipeline_sync_traffic(self) -> list[tuple[float, int, Link]]:
         """(bytes, group, link) of every collective of `pipeline_sync_s`."""
+        return [sent for part in self.pipeline_sync_parts(1.0) for sent in part]
+
+    def pipeline_sync_parts(self, in_loop: float) -> tuple[list, list]:
+        """(the stack's sums, everything else): `pipeline_sync_traffic` cut in two, the
+        first `in_loop` of the pipelined stack's all-reduces (ZeRO 0 and 1: what a 1F1B
+        loop sums in its drain, `pipeline_1f1b.sums_in_loop`), and the rest: what every
+        stage holds, FSDP's scatters, ZeRO-1's gathers, the distributed optimizer's."""
         from moe_jax.plan.state_arrays import placement_key  # traces: only when asked
 
         sizes = registry.mesh_sizes(self.sized)
-        shards = _shards(placement_key(self.sized))
-        return [sent for shard in shards for sent in self._sync(shard, sizes)]
+        loop, rest = [], []
+        for shard in _shards(placement_key(self.sized)):
+            summed = self._summed(shard, sizes) if self.plan.parallel.zero < 2 else []
+            share = in_loop if shard.piped else 0.0
+            loop += [(sent * share, group, link) for sent, group, link in summed]
+            rest += [(sent * (1 - share), group, link) for sent, group, link in summed]
+            rest += self._sync(shard, sizes)
+        return loop, rest
+
+    def _form(self) -> str:
+        """The gradient sum's form: the paper's ("hierarchical", ZeRO 0 and 1) or the
+        trainer's `parallel.grad_exchange`."""
+        paper = self.plan.grad_sync == "hierarchical" and self.plan.parallel.zero < 2
+        return "hierarchical" if paper else self.sized.parallel.grad_exchange
+
+    def _group(self, shard: _Shard, sizes: dict[str, int]) -> tuple[float, int, int, Link]:
+        """(bytes on one device, devices of the intra group, of 'data' and 'stage', the
+        link beyond the intra group) of the devices sharing one parameter."""
+        p, splits = self.plan.parallel, shard.splits
+        size = shard.bytes / (p.stages if shard.piped and STAGE not in splits else 1)
+        inner = math.prod(sizes[a] for a in INTRA if a not in splits)
+        outer = (1 if DATA in splits else p.data) * (1 if shard.piped else p.stages)
+        return size, inner, outer, self.data_link if shard.piped else self.stage_link
+
+    def _summed(self, shard: _Shard, sizes: dict[str, int]) -> list[tuple[float, int, Link]]:
+        """(bytes, group, link) of one parameter's gradient sum over the devices that
+        share it under ZeRO 0 and 1 (`_sync`): one float32 all-reduce over the group, or
+        in two levels, intra group first ('bf16_a2a', the paper's)."""
+        form, (size, inner, outer, far) = self._form(), self._group(shard, sizes)
+        if form == "fp32":
+            group = inner * outer
+            return [(2 * size * (group - 1) / group, group, far if outer > 1 else self.intra)]
+        dtype = comm_volume.DTYPE_BYTES[self.plan.grad_dtype] / PARAM_BYTES
+        scale = 0.75 if form == "bf16_a2a" else dtype
+        return [
+            (scale * 2 * size * (inner - 1) / inner, inner, self.intra),
+            (scale * 2 * size / inner * (outer - 1) / outer, outer, far),
+        ]
 
     def _sync(self, shard: _Shard, sizes: dict[str, int]) -> list[tuple[float, int, Link]]:
         """(bytes, group, link) one device sends to sum one parameter's gradient over its
@@ -110,15 +172,12 @@ class GradSync:
         back: 3/4 of the paper's float32 bytes), with ZeRO-1's gather of the updated
         parameters; the distributed optimizer's in every mode (`_distributed`). FSDP's
         gradients are reduce-scattered over 'data' in every micro-batch's backward (the
-        transpose of its weight gathers)."""
+        transpose of its weight gathers). All but ZeRO 0 and 1's sums (`_summed`),
+        which the caller places."""
         plan, p, splits = self.plan, self.plan.parallel, shard.splits
-        paper = plan.grad_sync == "hierarchical" and p.zero < 2
-        form = "hierarchical" if paper else self.sized.parallel.grad_exchange
+        form = self._form()
         dtype = comm_volume.DTYPE_BYTES[plan.grad_dtype] / PARAM_BYTES
-        size = shard.bytes / (p.stages if shard.piped and STAGE not in splits else 1)
-        inner = math.prod(sizes[a] for a in INTRA if a not in splits)
-        outer = (1 if DATA in splits else p.data) * (1 if shard.piped else p.stages)
-        far = self.data_link if shard.piped else self.stage_link
+        size, inner, outer, far = self._group(shard, sizes)
         out = []
         if DATA in splits:
             passes = self.micro_batches if shard.piped else 1
@@ -127,13 +186,6 @@ class GradSync:
         if p.zero == 2:  # the master split further than the compute copy: cut
             cut = shard.master_splits != splits
             return out + self._distributed(cut, size, inner, outer, far)
-        if form == "fp32":
-            group = inner * outer
-            out.append((2 * size * (group - 1) / group, group, far if outer > 1 else self.intra))
-        else:
-            scale = 0.75 if form == "bf16_a2a" else dtype
-            out.append((scale * 2 * size * (inner - 1) / inner, inner, self.intra))
-            out.append((scale * 2 * size / inner * (outer - 1) / outer, outer, far))
         if form != "hierarchical" and p.zero and DATA in shard.moment_splits - splits:
             out.append((size * (p.data - 1) / p.data, p.data, self.data_link))
         return out
@@ -201,7 +253,7 @@ def _axes(spec) -> frozenset[str]:
     return frozenset(a for entry in spec for a in axes_of(entry))
 
 
-def _sync_time(traffic: list[tuple[float, int, Link]]) -> float:
+def sync_time(traffic: list[tuple[float, int, Link]]) -> float:
     """Bytes over each link, and 2 (g - 1) latency steps for each distinct group (one
     all-reduce-like collective per group: XLA combines a step's reductions over it)."""
     seconds = sum(sent / link.bandwidth for sent, _, link in traffic)

@@ -21,7 +21,8 @@ from moe_jax.model.mtp import is_moe
 from moe_jax.moe.experts import kernel_of
 from moe_jax.parallel import registry
 from moe_jax.parallel.layout import DATA, INTRA
-from moe_jax.parallel.pipeline_schedule import one_f_one_b
+from moe_jax.parallel.pipeline_1f1b import sums_in_loop
+from moe_jax.parallel.pipeline_schedule import loop_sums, one_f_one_b
 from moe_jax.plan import memory_experts, memory_mla, muon_cost
 from moe_jax.plan.comm_volume import DTYPE_BYTES
 from moe_jax.plan.state_arrays import device_bytes, state_arrays, state_bytes, units
@@ -383,7 +384,9 @@ def pipeline_activation_bytes(
       of the K micro-batches (a loss chunk's float32 logits and their gradient);
     * 1F1B: in_flight, the table's slots (`pipeline_schedule`: bounded by S and R);
       token_ids, the M micro-batches' token ids and targets; working, one tick's
-      backward, or the head (embedding, dense prefix) or tail of one micro-batch.
+      backward, or the head (embedding, dense prefix) or tail of one micro-batch;
+      summed_parts, where the loop sums the stack's gradients in its drain, the part
+      a tick sums and its sum (`loop_sum_bytes`).
 
     Per micro-batch of M the device holds (R + 1) a more under GPipe, token ids only
     under 1F1B (tests/test_pipeline_state.py measures both in XLA's buffer assignment)."""
@@ -409,11 +412,26 @@ def pipeline_activation_bytes(
         # the M micro-batches' token ids, targets, MTP tokens, targets and weights
         ids = (2 + 3 * config.model.mtp_depth) * micro * z.t * 4
         in_flight = (table.slots + table.gradient_slots) * a
-        return {"in_flight": in_flight, "token_ids": ids, "working": working}
+        parts = loop_sum_bytes(config, table)
+        return {"in_flight": in_flight, "token_ids": ids, "working": working, "summed_parts": parts}
     kept_o, working_o = kept_o + k * kept_m, max(working_o, working_m)
     working = max(kept_g + working_g, working_o + head(_sizes(config, k * micro_batch)) + tables)
     ticks = (micro * repeats + stages - 1) * a
     return {"tick_inputs": ticks, "buffer": micro * a, "outside": kept_o, "working": working}
+
+
+def loop_sum_bytes(config: Config, table) -> int:
+    """What a drain tick of the 1F1B loop holds to sum one part of the stack's gradients
+    (`moe_jax.parallel.pipeline_1f1b`): the part, read before the tick adds into the
+    accumulators, and its sum; 1 / (R C) of the stack's gradients each (C parts per
+    repeat, `pipeline_schedule.loop_sums`). 0 where the loop sums nothing."""
+    p = config.parallel
+    sums = loop_sums(table) if sums_in_loop(p.schedule, p.zero, p.grad_exchange) else None
+    if sums is None:
+        return 0
+    arrays = [a for a in state_arrays(config) if a.part == "params" and a.stack == "moe"]
+    stack = sum(device_bytes(config, a, master=False) for a in arrays)
+    return 2 * stack // (table.repeats * sums.chunks)
 
 
 def _pipeline_memory(config: Config, stages: int, micro_batch: int | None) -> Memory:

@@ -156,9 +156,10 @@ class Schedules:
             tally.add(self.layer(False), self.config.model.first_k_dense)
         return tally
 
-    def _shared(self) -> tuple[Tally, Tally, float]:
-        """(tick, outside, gradient sum seconds): what a pipelined plan's two schedules
-        share, computed once for the pair (the planner yields them one after the other)."""
+    def _shared(self) -> tuple[Tally, Tally, tuple[list, list]]:
+        """(tick, outside, `pipeline_sync_parts(1.0)`): what a pipelined plan's two
+        schedules share, computed once for the pair (the planner yields them one after
+        the other)."""
         gpipe = dataclasses.replace(self.plan.parallel, schedule="gpipe")
         twin = dataclasses.replace(self.plan, parallel=gpipe)
         return _shared_costs(type(self), self.config, twin, self.gpu, self.global_batch, self.eff)
@@ -170,10 +171,11 @@ class Schedules:
         exposed gradient sum and the optimizer. Under 1F1B (`parallel.schedule`) the
         same ticks (`pipeline_schedule`: forward and backward work each in M R + S - 1),
         but stage 0 runs the embedding and dense prefix and the last stage the head of
-        all M micro-batches inside the loop while the others wait, and only token ids
-        travel between stages outside the loop."""
+        all M micro-batches inside the loop while the others wait, only token ids
+        travel between stages outside the loop, and the loop's drain sums the last
+        repeats' gradients behind its backward (`pipeline_sync_split`)."""
         p = self.plan.parallel
-        (tick, outside, sync), k = self._shared(), self.micro_batches // p.stages
+        (tick, outside, parts), k = self._shared(), self.micro_batches // p.stages
         one_f_one_b = p.schedule == "1f1b"
         total = Tally()
         total.add(tick, self.micro_batches * p.repeats)
@@ -189,14 +191,14 @@ class Schedules:
         if not one_f_one_b:  # the embedded micro-batches to stage 0, the outputs back
             breakdown["pipeline_p2p"] += 4 * (p.stages - 1) * self.send_s(k * self.t)
         breakdown["bubble"] = (p.stages - 1) * tick.seconds
-        breakdown["grad_sync"] = sync
+        breakdown["grad_sync"], hidden = self.pipeline_sync_split(*parts, tick.backward)
         breakdown["optimizer"] = self.optimizer_s(p.repeats * self.group_params() + outside)
         breakdown.update(self.muon_s())
-        return breakdown, {**total.hidden, "grad_sync": 0.0}, tick.seconds
+        return breakdown, {**total.hidden, "grad_sync": hidden}, tick.seconds
 
 
 @functools.lru_cache(maxsize=1)
-def _shared_costs(model: type, *args) -> tuple[Tally, Tally, float]:
+def _shared_costs(model: type, *args) -> tuple[Tally, Tally, tuple[list, list]]:
     """`Schedules._shared` of the GPipe twin `model(*args)`: the last pair's, kept."""
     twin = model(*args)
-    return twin.tick(), twin.outside(), twin.pipeline_sync_s()
+    return twin.tick(), twin.outside(), twin.pipeline_sync_parts(1.0)
