@@ -310,27 +310,8 @@ def _one_f_one_b(
     carry = (inbox, gbox, zeros_x, zeros_x, g_params, g_tail, g_prefix, totals, sums, loss_sum)
     if in_loop is None:
         carry, _ = jax.lax.scan(tick, carry, rows)
-    else:  # the same ticks, then the drain's with a part of the sums each
-        head = jax.tree.map(lambda a: a[: in_loop.start], rows)
-        drain = jax.tree.map(lambda a: a[in_loop.start :], rows)
-        carry, _ = jax.lax.scan(tick, carry, head)
-
-        def tick_and_sum(carry, xs):
-            row, r, c = xs
-            parts = [_part(acc, r, c, in_loop.chunks) for acc in jax.tree.leaves(carry[4])]
-            # the parts read before the tick adds into the accumulators in place (else
-            # XLA keeps a copy of them all for the reads)
-            g_params, parts = jax.lax.optimization_barrier((carry[4], parts))
-            carry = (*carry[:4], g_params, *carry[5:])
-            with jax.named_scope(GRAD_EXCHANGE):  # needs nothing of this tick's backward
-                summed = [reduce(part) for reduce, (part, _, _) in zip(reduces, parts, strict=True)]
-            carry, _ = tick(carry, row)  # its backward adds into other repeats' rows
-            accs, tree = jax.tree.flatten(carry[4])
-            new = [_put_part(acc, r, s, *p) for acc, s, p in zip(accs, summed, parts, strict=True)]
-            return (*carry[:4], jax.tree.unflatten(tree, new), *carry[5:]), None
-
-        r, c = (jnp.asarray(a) for a in in_loop.rows(sched.ticks))
-        carry, _ = jax.lax.scan(tick_and_sum, carry, (drain, r, c))
+    else:
+        carry = _ticks_then_drain(tick, carry, rows, in_loop, reduces, sched.ticks)
     _, _, _, _, g_params, g_tail, g_prefix, (total, prefix_peaks), sums, loss_sum = carry
     if reduces:  # the repeats not summed in the loop, then each gradient in its shape
         first = repeats if in_loop is None else in_loop.after
@@ -371,6 +352,36 @@ def _masked(on, g):
     if STAGE not in varying_axes(g):
         return g
     return jnp.where(on, g, jnp.zeros_like(g))
+
+
+GRADS = 4  # the tick loop's carry: where the stack's gradient accumulators are
+
+
+def _ticks_then_drain(tick, carry, rows, in_loop, reduces, ticks: int):
+    """The tick loop as two scans: the ticks before the drain, then the drain's, each
+    also summing its part of a final repeat's gradients (`pipeline_schedule.LoopSums`)
+    with `reduces`, one per accumulator of `carry[GRADS]`."""
+    head = jax.tree.map(lambda a: a[: in_loop.start], rows)
+    drain = jax.tree.map(lambda a: a[in_loop.start :], rows)
+    carry, _ = jax.lax.scan(tick, carry, head)
+    with_grads = lambda carry, g: (*carry[:GRADS], g, *carry[GRADS + 1 :])
+
+    def tick_and_sum(carry, xs):
+        row, r, c = xs
+        parts = [_part(acc, r, c, in_loop.chunks) for acc in jax.tree.leaves(carry[GRADS])]
+        # the parts read before the tick adds into the accumulators in place (else XLA
+        # keeps a copy of them all for the reads)
+        grads, parts = jax.lax.optimization_barrier((carry[GRADS], parts))
+        with jax.named_scope(GRAD_EXCHANGE):  # needs nothing of this tick's backward
+            summed = [f(part) for f, (part, _, _) in zip(reduces, parts, strict=True)]
+        carry, _ = tick(with_grads(carry, grads), row)  # adds into other repeats' rows
+        accs, tree = jax.tree.flatten(carry[GRADS])
+        new = [_put_part(a, r, s, *p) for a, s, p in zip(accs, summed, parts, strict=True)]
+        return with_grads(carry, jax.tree.unflatten(tree, new)), None
+
+    r, c = (jnp.asarray(a) for a in in_loop.rows(ticks))
+    carry, _ = jax.lax.scan(tick_and_sum, carry, (drain, r, c))
+    return carry
 
 
 def _compute(params):
