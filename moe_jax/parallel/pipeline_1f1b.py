@@ -207,7 +207,8 @@ def _one_f_one_b(
     back = [(j, (j - 1) % stages) for j in range(stages)]
     rows = {name: jnp.asarray(getattr(sched, name)) for name in ROWS}
 
-    def tick(carry, row):
+    def tick(carry, row, forwards: bool = True):
+        """One tick; without `forwards` (the drain, `_ticks_then_drain`) its backward only."""
         inbox, gbox, received, returned, g_params, g_tail, g_prefix, totals, sums, loss_sum = carry
         at = {name: row[name][me] for name in ROWS}
         inbox = _put(inbox, at["arrive_slot"], received)
@@ -235,9 +236,10 @@ def _one_f_one_b(
             total = pipeline.add_stats(total, stats, (r * stages + me) * per_stage, f_on)
             return (total, prefix_peaks), y
 
-        totals, y = jax.lax.cond(
-            (row["forward"] != NONE).any(), forward, lambda t: (t, zeros_x), totals
-        )
+        if forwards:
+            totals, y = jax.lax.cond(
+                (row["forward"] != NONE).any(), forward, lambda t: (t, zeros_x), totals
+            )
         on_loss = at["loss"] > 0
 
         def loss(args):
@@ -253,9 +255,10 @@ def _one_f_one_b(
             sums = map_stats(add, top, sums, varying_like(metrics, *like))
             return gbox, g_tail, sums, loss_sum + jnp.where(on_loss, lm, 0.0)
 
-        gbox, g_tail, sums, loss_sum = jax.lax.cond(
-            (row["loss"] > 0).any(), loss, lambda a: a, (gbox, g_tail, sums, loss_sum)
-        )
+        if forwards:
+            gbox, g_tail, sums, loss_sum = jax.lax.cond(
+                (row["loss"] > 0).any(), loss, lambda a: a, (gbox, g_tail, sums, loss_sum)
+            )
 
         # backward item (on virtual stage 0 through the prefix too)
         b_on, j = at["backward"] != NONE, jnp.maximum(at["backward"], 0)
@@ -299,7 +302,7 @@ def _one_f_one_b(
             (g_params, g_prefix),
         )
         with jax.named_scope(STAGE_SEND):
-            sent = jax.lax.ppermute(y, STAGE, ring)
+            sent = jax.lax.ppermute(y, STAGE, ring) if forwards else zeros_x
             sent_back = jax.lax.ppermute(dx, STAGE, back)
         carry = (inbox, gbox, sent, sent_back, g_params, g_tail, g_prefix, totals, sums, loss_sum)
         return carry, None
@@ -358,9 +361,10 @@ GRADS = 4  # the tick loop's carry: where the stack's gradient accumulators are
 
 
 def _ticks_then_drain(tick, carry, rows, in_loop, reduces, ticks: int):
-    """The tick loop as two scans: the ticks before the drain, then the drain's, each
-    also summing its part of a final repeat's gradients (`pipeline_schedule.LoopSums`)
-    with `reduces`, one per accumulator of `carry[GRADS]`."""
+    """The tick loop as two scans: the ticks before the drain, then the drain's (no
+    forward work is left there: `pipeline_schedule.loop_sums`), each its backward and
+    the sum of its part of a final repeat's gradients (`pipeline_schedule.LoopSums`) by
+    `reduces`, one per accumulator of `carry[GRADS]`."""
     head = jax.tree.map(lambda a: a[: in_loop.start], rows)
     drain = jax.tree.map(lambda a: a[in_loop.start :], rows)
     carry, _ = jax.lax.scan(tick, carry, head)
@@ -374,7 +378,7 @@ def _ticks_then_drain(tick, carry, rows, in_loop, reduces, ticks: int):
         grads, parts = jax.lax.optimization_barrier((carry[GRADS], parts))
         with jax.named_scope(GRAD_EXCHANGE):  # needs nothing of this tick's backward
             summed = [f(part) for f, (part, _, _) in zip(reduces, parts, strict=True)]
-        carry, _ = tick(with_grads(carry, grads), row)  # adds into other repeats' rows
+        carry, _ = tick(with_grads(carry, grads), row, forwards=False)  # other repeats' rows
         accs, tree = jax.tree.flatten(carry[GRADS])
         new = [_put_part(a, r, s, *p) for a, s, p in zip(accs, summed, parts, strict=True)]
         return with_grads(carry, jax.tree.unflatten(tree, new)), None

@@ -132,6 +132,7 @@ class _Simulation:
         self.sent_back: list[tuple[int, int]] = []  # backward items finished last tick
         self.where: dict[tuple[int, int], int] = {}  # (i, v) -> its input's slot
         self.grad_where: dict[tuple[int, int], int] = {}  # (i, v) -> its gradient's slot
+        self.ready: list[list[tuple[int, int]]] = [[] for _ in range(s_)]  # backward, by stage
         self.inputs = [_Slots() for _ in range(s_)]
         self.grads = [_Slots() for _ in range(s_)]
         self.rows: list[dict[str, list[int]]] = []
@@ -147,6 +148,7 @@ class _Simulation:
             if v > 0:
                 s = (v - 1) % s_
                 self.grad_where[(i, v - 1)] = row["gradient_arrive_slot"][s] = self.grads[s].take()
+                self.ready[s].append((i, v - 1))
         self.sent, self.sent_back = [], []
         for s in range(s_):
             self._forward(s, row)
@@ -170,14 +172,15 @@ class _Simulation:
         if v == self.last:  # the loss's gradient, for the backward in this tick
             row["loss"][s] = 1
             self.grad_where[(i, v)] = row["loss_slot"][s] = self.grads[s].take()
+            self.ready[s].append((i, v))
 
     def _backward(self, s: int, row) -> None:
         """The ready backward item of the earliest group, latest repeat, first micro-batch."""
         s_ = self.stages
-        ready = [item for item in self.grad_where if item[1] % s_ == s and item not in self.b_done]
-        if not ready:
+        if not self.ready[s]:
             return
-        i, v = min(ready, key=lambda item: (item[0] // s_, -(item[1] // s_), item[0]))
+        i, v = min(self.ready[s], key=lambda item: (item[0] // s_, -(item[1] // s_), item[0]))
+        self.ready[s].remove((i, v))
         self.b_done[(i, v)] = len(self.rows)
         self.sent_back.append((i, v))
         row["backward"][s], row["backward_repeat"][s] = i, v // s_
@@ -200,7 +203,8 @@ class LoopSums:
     (`moe_jax.parallel.pipeline_1f1b`). Repeat r's weight gradients are final once every
     stage has run its last backward item of r, and in interleaved 1F1B the last group of
     micro-batches runs its backward through the repeats from the last down, S ticks
-    each: repeats R - 1 .. R - n are final while the drain still computes. From tick
+    each: repeats R - 1 .. R - n are final while the drain still computes (backward
+    work only: the last repeat's last backward item follows the last loss). From tick
     `start` to the loop's end each tick sums one of `chunks` equal parts of one of them
     (repeat R - 1 first), each after its repeat is final; repeats 0 .. R - n - 1 (at
     least repeat 0, final in the last tick) are summed after the loop."""
@@ -231,5 +235,8 @@ def loop_sums(table: Table) -> LoopSums | None:
         chunks = (ticks - first) // n
         start = ticks - n * chunks  # the parts end with the loop
         if chunks and all(start + (r_ - 1 - r) * chunks > final[r] for r in range(r_ - n, r_)):
+            # the last repeat's last backward follows the last loss: no forward is left
+            if (table.forward[start:] != NONE).any() or (table.loss[start:] > 0).any():
+                raise RuntimeError("forward work in the 1F1B drain")  # a bug, not an input
             return LoopSums(start, chunks, n, r_)
     return None
