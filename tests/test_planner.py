@@ -87,7 +87,7 @@ def test_pipeline_step_is_gpipe_ticks_and_the_parts_outside():
         4 * model.outside().seconds
         + model.accumulation_s(outside, passes=1)
         + 4 * 2 * model.send_s(4 * model.t)
-        + model.pipeline_sync_s()
+        + grad_sync.sync_time(model.pipeline_sync_traffic())
         + model.optimizer_s(model.group_params() + outside)
     )
     assert cost.step_s == pytest.approx(pipelined + rest)
@@ -107,7 +107,7 @@ def test_one_f_one_b_sums_the_last_repeats_in_its_drain():
     }
     gpipe, one = (plans[s].step() for s in ("gpipe", "1f1b"))
     model = plans["1f1b"]
-    loop, rest = model.pipeline_sync_parts(1.0)
+    loop, rest = model.pipeline_sync_parts()
     assert sum(b for b, _, _ in loop + rest) == sum(b for b, _, _ in model.pipeline_sync_traffic())
     assert gpipe.breakdown["grad_sync"] == pytest.approx(grad_sync.sync_time(loop + rest))
     assert gpipe.hidden["grad_sync"] == 0

@@ -85,19 +85,13 @@ class GradSync:
         moments = muon_cost.moments_per_param(self.sized)
         return params / shards * optimizer_bytes_per_param(moment, moments) / bandwidth
 
-    def pipeline_sync_s(self) -> float:
-        """The pipelined step's gradient sum, all of it after the tick loop's backward
-        (GPipe; 1F1B's drain sums a part, `pipeline_sync_split`). Each device sums its
-        stage's 1/S of the stack over the mesh axes the stack is replicated on, and what
-        every stage holds (embedding, head, dense prefix) over 'stage' as well."""
-        return sync_time(self.pipeline_sync_traffic())
-
     def pipeline_sync_split(self, loop: list, rest: list, backward_s: float) -> tuple[float, float]:
         """(exposed, hidden) seconds of the pipelined step's gradient sums, given
-        `pipeline_sync_parts(1.0)`: where the 1F1B loop sums the stack's
-        (`pipeline_1f1b.sums_in_loop`), the last n of its R repeats' a part per drain
-        tick (`pipeline_schedule.loop_sums`), each hidden behind the tick's backward
-        (`backward_s`) but for what outlasts it; the rest after the loop, exposed."""
+        `pipeline_sync_parts`: all after the tick loop's backward (GPipe), or where the
+        1F1B loop sums the stack's (`pipeline_1f1b.sums_in_loop`), the last n of its R
+        repeats' a part per drain tick (`pipeline_schedule.loop_sums`), each hidden
+        behind the tick's backward (`backward_s`) but for what outlasts it, and the rest
+        after the loop, exposed."""
         p = self.plan.parallel
         sums = None
         if pipeline_1f1b.sums_in_loop(p.schedule, p.zero, self.sized.parallel.grad_exchange):
@@ -112,23 +106,24 @@ class GradSync:
         return sync_time(rest + after) + shown, ticks * part - shown
 
     def pipeline_sync_traffic(self) -> list[tuple[float, int, Link]]:
-        """(bytes, group, link) of every collective of `pipeline_sync_s`."""
-        return [sent for part in self.pipeline_sync_parts(1.0) for sent in part]
+        """(bytes, group, link) of every collective of the pipelined step's gradient sum.
+        Each device sums its stage's 1/S of the stack over the mesh axes the stack is
+        replicated on, and what every stage holds (embedding, head, dense prefix) over
+        'stage' as well."""
+        return [sent for part in self.pipeline_sync_parts() for sent in part]
 
-    def pipeline_sync_parts(self, in_loop: float) -> tuple[list, list]:
+    def pipeline_sync_parts(self) -> tuple[list, list]:
         """(the stack's sums, everything else): `pipeline_sync_traffic` cut in two, the
-        first `in_loop` of the pipelined stack's all-reduces (ZeRO 0 and 1: what a 1F1B
-        loop sums in its drain, `pipeline_1f1b.sums_in_loop`), and the rest: what every
-        stage holds, FSDP's scatters, ZeRO-1's gathers, the distributed optimizer's."""
+        pipelined stack's all-reduces (ZeRO 0 and 1: what a 1F1B loop may sum in its
+        drain, `pipeline_1f1b.sums_in_loop`), and the rest: what every stage holds,
+        FSDP's scatters, ZeRO-1's gathers, the distributed optimizer's."""
         from moe_jax.plan.state_arrays import placement_key  # traces: only when asked
 
         sizes = registry.mesh_sizes(self.sized)
         loop, rest = [], []
         for shard in _shards(placement_key(self.sized)):
             summed = self._summed(shard, sizes) if self.plan.parallel.zero < 2 else []
-            share = in_loop if shard.piped else 0.0
-            loop += [(sent * share, group, link) for sent, group, link in summed]
-            rest += [(sent * (1 - share), group, link) for sent, group, link in summed]
+            (loop if shard.piped else rest).extend(summed)
             rest += self._sync(shard, sizes)
         return loop, rest
 

@@ -157,7 +157,7 @@ class Schedules:
         return tally
 
     def _shared(self) -> tuple[Tally, Tally, tuple[list, list]]:
-        """(tick, outside, `pipeline_sync_parts(1.0)`): what a pipelined plan's two
+        """(tick, outside, `pipeline_sync_parts`): what a pipelined plan's two
         schedules share, computed once for the pair (the planner yields them one after
         the other)."""
         gpipe = dataclasses.replace(self.plan.parallel, schedule="gpipe")
@@ -201,4 +201,4 @@ class Schedules:
 def _shared_costs(model: type, *args) -> tuple[Tally, Tally, tuple[list, list]]:
     """`Schedules._shared` of the GPipe twin `model(*args)`: the last pair's, kept."""
     twin = model(*args)
-    return twin.tick(), twin.outside(), twin.pipeline_sync_parts(1.0)
+    return twin.tick(), twin.outside(), twin.pipeline_sync_parts()
