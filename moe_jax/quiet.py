@@ -4,8 +4,10 @@
 Why: orbax logs each failed background write as an ERROR with its traceback (and
 warns about its own temporary directories), though the trainer reports the failure
 itself in one line; gloo, the CPU collectives of a multi-process run, prints a
-"[Gloo] Rank i is connected to j peer ranks" line for each communicator from C++,
-straight to file descriptor 1, where no Python setting reaches; and after a failed
+"[Gloo] Rank i is connected to j peer ranks. Expected number of connected peer ranks is : j"
+line for each communicator from C++, straight to file descriptor 1, where no Python setting
+reaches (and from several threads at once, so the pieces of two such lines can interleave
+on one line, or a line start with the second half of one); and after a failed
 checkpoint write or read, orbax's abandoned coroutines and tensorstore's late
 callbacks (which find orbax's event loop closed) each print a traceback as an
 unraisable exception.
@@ -16,6 +18,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import re
 import sys
 import threading
 import traceback
@@ -23,7 +26,12 @@ import traceback
 from absl import logging as absl_logging
 
 QUIET_LIBRARIES = (f"{os.sep}orbax{os.sep}",)
-NATIVE_NOISE = (b"[Gloo] ",)
+# The fixed pieces of gloo's connection line (`<<`'d one by one, so other threads' pieces
+# can come between them); a line made of nothing else but their numbers is gloo's.
+GLOO_PIECES = re.compile(
+    rb"\[Gloo\] Rank | is connected to | peer ranks\. ?"
+    rb"|Expected number of connected peer ranks is : ?"
+)
 
 
 class _NotFrom(logging.Filter):
@@ -74,8 +82,14 @@ def quiet_libraries() -> None:
     sys.unraisablehook = hook
 
 
-def drop_native_lines(prefixes: tuple[bytes, ...] = NATIVE_NOISE) -> None:
-    """Filters lines starting with one of `prefixes` out of file descriptor 1.
+def is_gloo_line(line: bytes) -> bool:
+    """Whether `line` holds pieces of gloo's connection lines and nothing else but digits."""
+    rest, pieces = GLOO_PIECES.subn(b"", line)
+    return pieces > 0 and not rest.strip().strip(b"0123456789 ")
+
+
+def drop_native_lines() -> None:
+    """Filters gloo's connection lines out of file descriptor 1.
 
     fd 1 becomes a pipe that a thread copies to the real stdout line by line; at exit
     fd 1 is put back and the thread drains what is left, so no line is lost or
@@ -91,7 +105,7 @@ def drop_native_lines(prefixes: tuple[bytes, ...] = NATIVE_NOISE) -> None:
     def copy() -> None:
         with os.fdopen(read, "rb") as source, os.fdopen(sink_fd, "wb", 0) as sink:
             for line in source:
-                if not line.startswith(prefixes):
+                if not is_gloo_line(line):
                     sink.write(line)
 
     thread = threading.Thread(target=copy, name="stdout-filter", daemon=True)

@@ -10,7 +10,13 @@ import os, sys
 from moe_jax import quiet
 quiet.drop_native_lines()
 print("before", flush=True)
-os.write(1, b"[Gloo] Rank 0 is connected to 1 peer ranks.\\n")  # as gloo's C++ writes it
+gloo = b"[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1"
+os.write(1, gloo + b"\\n")  # as gloo's C++ writes it
+# two of gloo's threads at once: one's line inside the other's, its end on a line alone
+os.write(1, b"[Gloo] Rank 2 is connected to 7 peer ranks. [Gloo] Rank 3 is connected to 7 peer"
+            b" ranks. Expected number of connected peer ranks is : 7\\n")
+os.write(1, b"Expected number of connected peer ranks is : 7\\n")
+os.write(1, b"7 of our own 7\\n")
 os.write(1, b"a line of our own that mentions [Gloo] later\\n")
 print("after")
 """
@@ -21,7 +27,8 @@ def test_native_gloo_lines_are_dropped_and_the_rest_kept_in_order():
         [sys.executable, "-c", PROGRAM], capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout == "before\na line of our own that mentions [Gloo] later\nafter\n"
+    ours = "7 of our own 7\na line of our own that mentions [Gloo] later\n"
+    assert done.stdout == f"before\n{ours}after\n"
 
 
 UNRAISABLE = """
