@@ -73,7 +73,10 @@ def test_printed_flags_and_layout_auto_run_the_plan_chosen():
         best["expert_fsdp"],
     )
     assert manual.micro_batches == best["micro_batches"] and manual.train.batch_size == 256
-    assert dataclasses.replace(manual, parallel=file.parallel) == file
+    # unpipelined, the plan's micro-batches are the accumulation's
+    assert manual.train.grad_accum == (1 if p.stages > 1 else best["micro_batches"])
+    train = dataclasses.replace(manual.train, grad_accum=file.train.grad_accum)
+    assert dataclasses.replace(manual, parallel=file.parallel, train=train) == file
     auto = _front_door(MIXTRAL, result["auto_flags"])
     assert auto.parallel.layout == "auto"
     resolved = resolve(auto, 64, platform="gpu")

@@ -370,7 +370,7 @@ MIXTRAL_64 = textwrap.dedent(
     import jax
     from moe_jax import config as config_lib
     from moe_jax.parallel import mesh as mesh_lib, registry
-    from moe_jax.plan import memory, planner
+    from moe_jax.plan import memory, planner, state_arrays
     from moe_jax.plan.resolve import check_plan
     from moe_jax.train_step import abstract_state, init_program
     from tests.abstract_step import step_bytes
@@ -410,12 +410,15 @@ MIXTRAL_64 = textwrap.dedent(
         init = init_program(config, layout, shardings).lower().compile().memory_analysis()
         whole = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract))
         tuple_table = 8 * len(jax.tree.leaves(abstract))
+        # what the state stores, by the model's placement (under the distributed
+        # optimizer the float32 masters; `need.params` adds the step's compute copy)
+        arrays = state_arrays.state_arrays(config)
+        stored = sum(state_arrays.device_bytes(config, a) for a in arrays)
         compiled = step_bytes(config, layout, graphdef, abstract, shardings)
         p = config.parallel
         print(overlap, config.train.optimizer, p.attention, p.experts, p.expert_fsdp,
-              p.token_dtype, p.grad_exchange, p.overlap_chunks, p.collective_matmul,
-              init.output_size_in_bytes,
-              need.params + need.optimizer + tuple_table, whole, compiled, need.total,
+              p.token_dtype, p.grad_exchange, p.zero, p.overlap_chunks, p.collective_matmul,
+              init.output_size_in_bytes, stored + tuple_table, whole, compiled, need.total,
               unringed.total, flush=True)
     """
 )
@@ -448,8 +451,10 @@ def test_mixtral_8x7b_train_step_compiles_on_64_devices_as_the_memory_model_says
     model.remat='selective', experts split over data where it needs them) among those
     XLA:CPU runs (not ep_a2a_ragged), compiled from
     abstract inputs on 64 forced CPU devices (nothing allocated; its float32 weights,
-    gradients and AdamW state alone are ~93 GB per device over 8). The start-up program
-    writes each device exactly the plan's share of the 560 GB state, and the whole
+    gradients and AdamW state alone are ~93 GB per device over 8). Both plans picked
+    are the distributed optimizer's (`parallel.zero=2`, searched since the planner
+    tries it). The start-up program writes each device exactly the plan's share of the
+    560 GB state (under the distributed optimizer its float32 master shards), and the whole
     32-layer train step's memory per device (XLA's arguments, temporaries and outputs
     less what donation aliases) is within 15% of the memory model.
     "muon+rings+compressed": `train.optimizer=muon` under the plan the planner picks for

@@ -158,12 +158,11 @@ def plans(
     pipeline: str = "trainer",
     min_pp: int = 1,
 ) -> Iterator[Plan]:
-    """Every plan the trainer's rules allow (memory not yet checked). ZeRO-1 is
-    used whenever there is data parallelism: it moves the same bytes as an all-reduce
-    and shrinks the optimizer state. Pipelines are the trainer's (GPipe or 1F1B,
-    `parallel.schedule`, with `cost_model.REPEAT_CHOICES` circular repeats where the MoE
-    stack divides) or,
-    for the paper's systems only, 1F1B (`PAPER_PIPELINE`); `micro_batches`
+    """Every plan the trainer's rules allow (memory not yet checked). With data
+    parallelism ZeRO-1 and the distributed optimizer are both tried (`_zeros`).
+    Pipelines are the trainer's (GPipe or 1F1B, `parallel.schedule`, with
+    `cost_model.REPEAT_CHOICES` circular repeats where the MoE stack divides) or, for the
+    paper's systems only, 1F1B (`PAPER_PIPELINE`); `micro_batches`
     fixes the micro-batches per step, `micro_batch` the sequences in each; `grad_sync`
     picks the gradient sync model, `remat` the recompute ("" = the config's; the memory
     model follows it), `grad_dtype` the precision of the gradient exchange and `overlap`
@@ -187,8 +186,9 @@ def plans(
             fsdp = (False, True) if data > 1 else (False,)
             # A ring over one device is no ring: the plan without it stands for it.
             overlaps = [o for o in cost_model.SEARCHES[overlap] if n > 1 or not o[1]]
-            for (att, exp, etp), b, split, (c, ring), r in (
-                (k, b, f, o, r)
+            for (att, exp, etp), b, split, (c, ring), r, zero in (
+                (k, b, f, o, r, z)
+                for z in _zeros(data, pipeline)
                 for k in kinds
                 for b in sizes
                 if b > 0
@@ -210,7 +210,7 @@ def plans(
                     grad_sync=grad_sync,
                     remat=remat,
                     grad_dtype=grad_dtype,
-                    zero=int(data > 1),
+                    zero=zero,
                     etp=etp,
                     overlap_chunks=c,
                     collective_matmul=ring,
@@ -221,6 +221,16 @@ def plans(
                     for schedule in _schedules(p, pipeline):  # the same problems
                         parallel = dataclasses.replace(plan.parallel, schedule=schedule)
                         yield dataclasses.replace(plan, parallel=parallel)
+
+
+def _zeros(data: int, pipeline: str) -> tuple[int, ...]:
+    """ZeRO settings tried: with data parallelism ZeRO-1 (the same bytes as an all-reduce,
+    the optimizer state split) and the distributed optimizer (`parallel.zero=2`: float32
+    masters split too, bf16 compute copies gathered); not for the paper's systems, whose
+    optimizer the paper fixes."""
+    if data == 1:
+        return (0,)
+    return (1,) if pipeline == PAPER_PIPELINE else (1, 2)
 
 
 def _layouts(n: int, data: int, attention: tuple[str, ...], experts: tuple[str, ...]):
