@@ -158,7 +158,7 @@ def test_every_pipeline_planned_is_one_the_trainer_runs(name: str, gpus: int, ba
 def test_choose_plan_pipelines_only_without_grad_accum():
     """Mixtral-8x7B's first 16 layers on 16 GPUs (two nodes), 128 sequences a step (too
     many for one pass of a data group): the trainer is given a pipeline it runs on
-    these devices (under the distributed optimizer), its micro-batches as its
+    these devices, its micro-batches as its
     accumulation; a configured train.grad_accum rules pipelines out. (With 8 layers
     the distributed optimizer's smaller state lets one flat pass of 64 sequences fit.)"""
     from moe_jax.plan.resolve import check_plan
@@ -170,7 +170,7 @@ def test_choose_plan_pipelines_only_without_grad_accum():
         train=dataclasses.replace(mixtral.train, batch_size=128),
     )
     chosen = planner.choose_plan(config, 16, "h800")
-    assert chosen.zero == 2 and chosen.stages > 1 and chosen.microbatches % chosen.stages == 0
+    assert chosen.stages > 1 and chosen.microbatches % chosen.stages == 0
     resolved = dataclasses.replace(config, parallel=chosen)
     assert check_plan(resolved, 16).parallel == resolved.parallel
     accumulated = dataclasses.replace(config, train=dataclasses.replace(config.train, grad_accum=2))

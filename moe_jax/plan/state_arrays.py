@@ -162,7 +162,9 @@ def placement_key(config: Config) -> Config:
 def block_params(config: Config) -> dict[str, float]:
     """Parameters one device holds of one dense layer ('dense'), one MoE layer ('moe') and
     the embedding table ('table'), as the plan places them, for the cost model's gradient
-    accumulation and optimizer times. A layer's share: its stacked arrays' over the units
+    accumulation and optimizer times: the compute copy's placement, whose gradient is
+    accumulated (under the distributed optimizer too, where the float32 masters are cut
+    further; the optimizer's time divides by the data groups under ZeRO 1 and 2). A layer's share: its stacked arrays' over the units
     they stack (counted without a pipeline, which splits only the units over 'stage').
     Computed once per placement: the planner asks for thousands of plans that differ only
     in their schedule, overlap and batch, which place no parameter differently."""
@@ -182,7 +184,7 @@ def _block_params(flat: Config) -> dict[str, float]:
     for array in state_arrays(flat):
         if array.part != "params":
             continue
-        elements = device_bytes(flat, array) / array.itemsize
+        elements = device_bytes(flat, array, master=False) / array.itemsize
         if array.stack is not None:
             key = array.stack, array.block
             layers[key] = layers.get(key, 0.0) + elements / array.shape[0]
