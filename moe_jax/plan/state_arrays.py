@@ -164,8 +164,8 @@ def block_params(config: Config) -> dict[str, float]:
     the embedding table ('table'), as the plan places them, for the cost model's gradient
     accumulation and optimizer times: the compute copy's placement, whose gradient is
     accumulated (under the distributed optimizer too, where the float32 masters are cut
-    further; the optimizer's time divides by the data groups under ZeRO 1 and 2). A layer's share: its stacked arrays' over the units
-    they stack (counted without a pipeline, which splits only the units over 'stage').
+    further; the optimizer's time divides by the data groups under ZeRO 1 and 2). A
+    layer's share: its stacked arrays' over the units they stack (counted without a pipeline, which splits only the units over 'stage').
     Computed once per placement: the planner asks for thousands of plans that differ only
     in their schedule, overlap and batch, which place no parameter differently."""
     placed = placement_key(config)
