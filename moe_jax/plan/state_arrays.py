@@ -165,9 +165,10 @@ def block_params(config: Config) -> dict[str, float]:
     accumulation and optimizer times: the compute copy's placement, whose gradient is
     accumulated (under the distributed optimizer too, where the float32 masters are cut
     further; the optimizer's time divides by the data groups under ZeRO 1 and 2). A
-    layer's share: its stacked arrays' over the units they stack (counted without a pipeline, which splits only the units over 'stage').
-    Computed once per placement: the planner asks for thousands of plans that differ only
-    in their schedule, overlap and batch, which place no parameter differently."""
+    layer's share: its stacked arrays' over the units they stack (counted without a
+    pipeline, which splits only the units over 'stage'). Computed once per placement: the
+    planner asks for thousands of plans that differ only in their schedule, overlap and
+    batch, which place no parameter differently."""
     placed = placement_key(config)
     flat = dataclasses.replace(placed.parallel, stages=1)
     return dict(_block_params(dataclasses.replace(placed, parallel=flat)))
