@@ -43,15 +43,9 @@ def varying_axes(x: jax.Array) -> frozenset[str]:
     return frozenset(aval.manual_axis_type.varying)
 
 
-def unchecked(fn, *args: jax.Array) -> jax.Array:
-    """`fn(*args)` typed as varying over every mesh axis any of `args` varies over, with
-    the varying-type checks off inside. Pallas kernels (and their interpreter, which
-    slices varying operands with unvarying indices) do not type-check under
-    `shard_map`; this wraps one in an empty nested `shard_map` that turns the checks
-    off, and types its result as what it is: per-device data."""
-    axes = tuple(sorted(frozenset().union(*(varying_axes(a) for a in args))))
-    if not axes:
-        return fn(*args)
+def _untyped(fn, *args: jax.Array) -> jax.Array:
+    """`fn(*args)` in an empty nested `shard_map` without the varying-type checks: its
+    result carries no varying type (the caller gives it one)."""
     spec = jax.sharding.PartitionSpec()
     # Arithmetic inside the unchecked region drops the types, so the operands' copies
     # (and everything made from them) are uniformly untyped there.
@@ -63,20 +57,23 @@ def unchecked(fn, *args: jax.Array) -> jax.Array:
         axis_names=frozenset(),
         check_vma=False,
     )
-    return jax.lax.pcast(inner(*args), axes, to="varying")
+    return inner(*args)
+
+
+def unchecked(fn, *args: jax.Array) -> jax.Array:
+    """`fn(*args)` typed as varying over every mesh axis any of `args` varies over, with
+    the varying-type checks off inside. Pallas kernels (and their interpreter, which
+    slices varying operands with unvarying indices) do not type-check under
+    `shard_map`; this wraps one in an empty nested `shard_map` that turns the checks
+    off, and types its result as what it is: per-device data."""
+    axes = tuple(sorted(frozenset().union(*(varying_axes(a) for a in args))))
+    if not axes:
+        return fn(*args)
+    return jax.lax.pcast(_untyped(fn, *args), axes, to="varying")
 
 
 def typed_as_summed(x: jax.Array, like: jax.Array) -> jax.Array:
     """`x`, equal on every device of the mesh axes `like` does not vary over (it was
     summed over them, a part at a time, into a buffer typed varying), typed as `like`:
-    invariant there. No communication: an empty nested `shard_map` without the
-    varying-type checks retypes it, as `unchecked` does."""
-    spec = jax.sharding.PartitionSpec()
-    inner = jax.shard_map(
-        lambda a: a + jnp.zeros((), a.dtype),
-        in_specs=spec,
-        out_specs=spec,
-        axis_names=frozenset(),
-        check_vma=False,
-    )
-    return vary_like(inner(x), like)
+    invariant there. No communication: retyped as `unchecked` types a kernel's result."""
+    return vary_like(_untyped(lambda a: a, x), like)
