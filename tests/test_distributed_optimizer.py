@@ -232,12 +232,16 @@ def test_trainer_saves_canonical_checkpoints_that_restore_under_stage_0(tmp_path
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_a_two_stage_pipeline_equals_zero_stage_0():
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_two_stage_pipeline_equals_zero_stage_0(schedule: str):
     """2 stages x 4 micro-batches: the masters of the stage-split stack are split over the
     stage's data and intra devices, those of the embedding and head over 'stage' too; the
     compiled step's float32 sums and gathers are the bytes the planner times for it
-    (`GradSync.pipeline_sync_traffic`) within 1%."""
-    plan = pipelined(2, 1, 4, 4)
+    (`GradSync.pipeline_sync_traffic`) within 1%. Under 1F1B with 2 repeats (the planner
+    offers both schedules with `zero=2`): its sums after the loop against ZeRO 0's in the
+    loop's drain."""
+    plan = pipelined(2, 1, 4, 4, repeats=1 if schedule == "gpipe" else 2)
+    plan = dataclasses.replace(plan, parallel=dataclasses.replace(plan.parallel, schedule=schedule))
     zero = dataclasses.replace(plan, parallel=dataclasses.replace(plan.parallel, zero=2))
     got, want = planned(zero), planned(plan)
     np.testing.assert_allclose(got.metrics["loss"], want.metrics["loss"], rtol=1e-5)
