@@ -172,6 +172,7 @@ def gradients(state: TrainState, graphdef, batch, config: Config):
 
     # where the distributed optimizer may cut each master (else as the exchange cuts)
     starts = distributed_optimizer.starts(state.params) if layout.zero == 2 else None
+    synced = _synced(state, layout, config)
     metrics, grads = per_device_step.step_gradients(
         layout,
         per_device,
@@ -181,11 +182,11 @@ def gradients(state: TrainState, graphdef, batch, config: Config):
         specs,
         config.model.dtype,
         starts,
-        _synced(state, layout, config),
+        synced,
     )
     if layout.grad_exchange == "fp32" or layout.zero == 2:  # placed as the masters
         return metrics, grads
-    return metrics, grad_exchange.gather_sums(layout, grads, specs)
+    return metrics, grad_exchange.gather_sums(layout, grads, specs, synced)
 
 
 def accumulated(params, biases, graphdef, batch, config: Config, loss, sync=None):

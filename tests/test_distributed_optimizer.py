@@ -105,11 +105,13 @@ def test_the_planners_layouts_equal_zero_stage_0(name: str):
     assert_trees_close(*after, rtol=1e-5)
 
 
-def _sums_beside_the_backward(hlo: str) -> tuple[int, int]:
-    """Def-use walk over the compiled program: (gradient sums inside a loop body, those
-    outside any). Every sum in a loop body (the layer scan's backward) has a GEMM of the
-    same body (a dot, or a fusion or conditional holding one) that neither feeds it nor
-    waits for it: the backward it can overlap."""
+def _sums_beside_the_backward(
+    hlo: str, kinds: tuple[str, ...] = ("reduce-scatter", "all-reduce")
+) -> tuple[int, int]:
+    """Def-use walk over the compiled program: (gradient sums of `kinds` inside a loop
+    body, those outside any). Every sum in a loop body (the layer scan's backward) has a
+    GEMM of the same body (a dot, or a fusion or conditional holding one) that neither
+    feeds it nor waits for it: the backward it can overlap."""
     program = hlo_collectives.instructions(hlo)
     with_dot = {ins.computation for ins in program if ins.opcode == "dot"}
     while True:  # and those calling them (fusions, a conditional's branches)
@@ -136,7 +138,7 @@ def _sums_beside_the_backward(hlo: str) -> tuple[int, int]:
         }
         for ins in body.values():
             kind = ins.opcode.removesuffix("-start")
-            if kind not in ("reduce-scatter", "all-reduce") or GRAD_EXCHANGE not in ins.op_name:
+            if kind not in kinds or GRAD_EXCHANGE not in ins.op_name:
                 continue
             if name in entry:
                 after += 1

@@ -20,7 +20,14 @@ from moe_jax.parallel import pipeline, pipeline_1f1b
 from moe_jax.parallel.pipeline_schedule import NONE, loop_sums, one_f_one_b
 from moe_jax.plan.resolve import check_plan
 from tests import pipelined as piped
-from tests.layouts import assert_trees_close, on_ragged_dot, planned, reference, run_under
+from tests.layouts import (
+    assert_leaves_close_in_norm,
+    assert_trees_close,
+    on_ragged_dot,
+    planned,
+    reference,
+    run_under,
+)
 from tests.pipelined import MODEL, pipeline_trip_counts
 from tests.test_distributed_optimizer import _sums_beside_the_backward
 from tests.test_pipeline import _assert_equal_one_device
@@ -175,3 +182,33 @@ def test_document_masks_and_loss_weights_as_gpipe():
     assert "positions" in _packed_batch()
     np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-6)
     assert_trees_close(pipeline.canonical(got_grads), pipeline.canonical(want_grads), rtol=1e-5)
+
+
+def test_bf16_sums_in_the_drain_equal_gpipes_after_its_backward():
+    """`grad_exchange='bf16_a2a'` (each device's gradient rounded to bf16 once, summed in
+    float32) on 2 stages x 2 data x 2 intra, 4 micro-batches, 2 repeats: the 1F1B drain's
+    part-by-part sums (`grad_exchange.summed_whole`) give GPipe's, which exchanges each
+    whole gradient after its backward; the drain loop's bf16 all-to-alls run beside
+    backward GEMMs they do not touch, each part's float32 shards gathered back."""
+    from moe_jax.parallel.scopes import GRAD_EXCHANGE
+    from moe_jax.tools import hlo_collectives
+
+    def config(schedule: str):
+        plan = piped.pipelined(2, 2, 2, 4, 2)
+        parallel = dataclasses.replace(plan.parallel, schedule=schedule, grad_exchange="bf16_a2a")
+        return on_ragged_dot(dataclasses.replace(plan, parallel=parallel))
+
+    got, want = planned(config("1f1b")), planned(config("gpipe"))
+    np.testing.assert_allclose(got.metrics["loss"], want.metrics["loss"], rtol=1e-6)
+    # the stack's partial sums are the same on each device in both schedules (a rare
+    # bf16 rounding flips where float32 added the micro-batches in another order); the
+    # prefix's and head's are not (1F1B runs every micro-batch's on one stage, GPipe
+    # each stage its own), so their single bf16 roundings differ (0.4% here)
+    grads = lambda run: pipeline.canonical(run.grads)
+    assert_leaves_close_in_norm(grads(got)["moe"], grads(want)["moe"], rtol=1e-3)
+    assert_leaves_close_in_norm(grads(got), grads(want), rtol=1e-2)
+    exchanged = [c for c in hlo_collectives.parse(got.hlo) if GRAD_EXCHANGE in c.op_name]
+    assert {"all-to-all", "all-gather"} <= {c.kind for c in exchanged}
+    assert "all-reduce" not in {c.kind for c in exchanged if c.count > 1}  # in the loop: bf16
+    looped, _ = _sums_beside_the_backward(got.hlo, kinds=("all-to-all",))
+    assert looped > 0

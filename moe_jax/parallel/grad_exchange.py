@@ -105,28 +105,50 @@ def exchange(
         return g
 
 
+def summed_whole(g: jax.Array, spec: P) -> jax.Array:
+    """`g` (any shape; a part of a gradient too) summed over the devices that share its
+    parameter (placed by `spec`) as `exchange` sums it, bf16 shards summed in float32 a
+    level at a time, then the summed float32 shards gathered back: flattened, padded to
+    a multiple of the group."""
+    axes = summed_axes(spec)
+    if not axes:
+        return g
+    group = math.prod(jax.lax.axis_size(a) for a in axes)
+    flat = g.astype(jnp.float32).reshape(-1)
+    flat = jnp.pad(flat, (0, -flat.size % group))
+    with jax.named_scope(GRAD_EXCHANGE):
+        for stage in summed_over(spec):
+            flat = sum_shards(flat, stage, 0)
+        flat = jax.lax.all_gather(flat, axes, axis=0, tiled=True)  # the intra group major
+    return flat[: g.size].reshape(g.shape)
+
+
 def summed_axes(spec: P) -> tuple[str, ...]:
     return tuple(a for stage in summed_over(spec) for a in stage)
 
 
-def gather_sums(layout: Layout, grads, specs):
+def gather_sums(layout: Layout, grads, specs, whole=None):
     """The summed shards (`exchange`) gathered back in float32 to their parameters'
     placement `specs`: a copy, not a sum, once per step, where the update reads them
     (left to XLA, the update ran on the shards and gathered parameters and both moments
     instead). Its own shard_map without the replication check: an all-gather's result is
-    the same on every device of its group, which the check cannot see."""
+    the same on every device of its group, which the check cannot see. `whole` (a tree of
+    bools like `specs`, or None) marks gradients summed whole already (`summed_whole`)."""
     sizes = layout.mesh.shape
     shapes = jax.tree.map(lambda g: g.shape, grads)
+    whole = jax.tree.map(lambda _: False, specs, is_leaf=is_spec) if whole is None else whole
 
-    def gather(spec, g, shape):
+    def gather(spec, g, shape, done):
         dim = cut_dimension(sizes, spec, shape)
-        if dim is None or not summed_axes(spec):
+        if done or dim is None or not summed_axes(spec):
             return g
         with jax.named_scope(GRAD_EXCHANGE):
             return jax.lax.all_gather(g, summed_axes(spec), axis=dim, tiled=True)
 
-    body = lambda grads: jax.tree.map(gather, specs, grads, shapes, is_leaf=is_spec)
+    body = lambda grads: jax.tree.map(gather, specs, grads, shapes, whole, is_leaf=is_spec)
+    place = lambda spec, cut, done: spec if done else cut
     reduced = reduced_specs(sizes, specs, shapes)
+    reduced = jax.tree.map(place, specs, reduced, whole, is_leaf=is_spec)
     return jax.shard_map(
         body, mesh=layout.mesh, in_specs=(reduced,), out_specs=specs, check_vma=False
     )(grads)

@@ -162,6 +162,9 @@ def step_gradients(
     reduced = grad_exchange.reduced_specs(sizes, specs, shapes, starts)
     param_specs = reduced if distributed else specs
     grad_specs = reduced if compressed or distributed else specs
+    if compressed and not distributed:  # summed whole in the backward: as the parameter
+        whole = lambda spec, cut, synced: spec if synced else cut
+        grad_specs = jax.tree.map(whole, specs, grad_specs, synced, is_leaf=is_spec)
     return jax.shard_map(
         body,
         mesh=layout.mesh,
@@ -198,6 +201,8 @@ class BackwardSync:
         def param(spec, shape, synced, variable, weight):
             if not synced:
                 return variable
+            if not self.distributed and self.compressed:  # any part of it
+                return Synced(variable, weight, partial(grad_exchange.summed_whole, spec=spec))
             if not self.distributed:  # any part of it: an all-reduce
                 axes = summed_axes(spec)
                 return Synced(variable, weight, partial(_summed, axes=axes))

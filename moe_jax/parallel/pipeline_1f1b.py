@@ -30,12 +30,13 @@ returns is S / M times its share (the last stage's loss sums, each stage's MoE t
 over its layers), so that the mean over all devices is the mean loss over the
 micro-batches, as GPipe's.
 
-Where the step marks the stack's weights `layer_sync.Synced` (float32 sums, ZeRO 0 and
-1: `sums_in_loop`), the loop also sums their gradients over the devices that share
-them: a repeat's as soon as every stage has run its last backward of it, a part per
-tick through the drain (`pipeline_schedule.loop_sums`), so the sums cross the network
-while the drain's backward computes; only the first repeats' (repeat 0's at least) wait
-until after the loop. The gradients leave already summed, as the masters' cotangents.
+Where the step marks the stack's weights `layer_sync.Synced` (ZeRO 0 and 1, float32 sums
+or the bf16 exchange's: `sums_in_loop`), the loop also sums their gradients over the
+devices that share them: a repeat's as soon as every stage has run its last backward of
+it, a part per tick through the drain (`pipeline_schedule.loop_sums`), so the sums cross
+the network while the drain's backward computes; only the first repeats' (repeat 0's at
+least) wait until after the loop. The gradients leave already summed, as the masters'
+cotangents.
 """
 
 from __future__ import annotations
@@ -59,10 +60,11 @@ def table(layout: Layout) -> Table:
 
 
 def sums_in_loop(schedule: str, zero: int, grad_exchange: str) -> bool:
-    """Whether the step has the 1F1B loop sum the stack's gradients (float32 sums of
-    ZeRO 0 and 1; the distributed optimizer and the bf16 exchange sum after the loop).
+    """Whether the step has the 1F1B loop sum the stack's gradients (ZeRO 0 and 1, in
+    float32 or by the bf16 exchange; the distributed optimizer sums after the loop).
     The trainer and the planner both ask here."""
-    return schedule == "1f1b" and zero < 2 and grad_exchange == "fp32"
+    del grad_exchange  # both forms sum a part as well as the whole
+    return schedule == "1f1b" and zero < 2
 
 
 def run_loss(
