@@ -133,7 +133,7 @@ def _synced(state: TrainState, layout: Layout, config: Config):
     p = config.parallel
     if distributed_optimizer.syncs_in_backward(layout.zero, layout.stages, config.train.grad_accum):
         return distributed_optimizer.starts(state.params)
-    if layout.loss_in_pipeline and pipeline_1f1b.sums_in_loop(p.schedule, p.zero, p.grad_exchange):
+    if layout.loss_in_pipeline and pipeline_1f1b.sums_in_loop(p.schedule, p.zero):
         in_stack = lambda path, v: v.replace(path[0].key == "moe")
         is_variable = lambda x: isinstance(x, nnx.Variable)
         return jax.tree_util.tree_map_with_path(in_stack, state.params, is_leaf=is_variable)

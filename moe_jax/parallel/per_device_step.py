@@ -201,11 +201,10 @@ class BackwardSync:
         def param(spec, shape, synced, variable, weight):
             if not synced:
                 return variable
-            if not self.distributed and self.compressed:  # any part of it
-                return Synced(variable, weight, partial(grad_exchange.summed_whole, spec=spec))
-            if not self.distributed:  # any part of it: an all-reduce
-                axes = summed_axes(spec)
-                return Synced(variable, weight, partial(_summed, axes=axes))
+            if not self.distributed:  # any part of it: the bf16 exchange or an all-reduce
+                if self.compressed:
+                    return Synced(variable, weight, partial(grad_exchange.summed_whole, spec=spec))
+                return Synced(variable, weight, partial(_summed, axes=summed_axes(spec)))
             reduce = partial(  # of one layer's slice
                 distributed_optimizer.reduce_gradient,
                 self.sizes,

@@ -59,11 +59,11 @@ def table(layout: Layout) -> Table:
     return one_f_one_b(layout.stages, layout.microbatches, layout.repeats)
 
 
-def sums_in_loop(schedule: str, zero: int, grad_exchange: str) -> bool:
+def sums_in_loop(schedule: str, zero: int) -> bool:
     """Whether the step has the 1F1B loop sum the stack's gradients (ZeRO 0 and 1, in
-    float32 or by the bf16 exchange; the distributed optimizer sums after the loop).
-    The trainer and the planner both ask here."""
-    del grad_exchange  # both forms sum a part as well as the whole
+    float32 or by the bf16 exchange, either of which sums a part as well as the whole;
+    the distributed optimizer sums after the loop). The trainer and the planner both
+    ask here."""
     return schedule == "1f1b" and zero < 2
 
 

@@ -94,7 +94,7 @@ class GradSync:
         after the loop, exposed."""
         p = self.plan.parallel
         sums = None
-        if pipeline_1f1b.sums_in_loop(p.schedule, p.zero, self.sized.parallel.grad_exchange):
+        if pipeline_1f1b.sums_in_loop(p.schedule, p.zero):
             table = pipeline_schedule.one_f_one_b(p.stages, self.micro_batches, p.repeats)
             sums = pipeline_schedule.loop_sums(table)
         if sums is None:

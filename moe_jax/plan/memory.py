@@ -426,7 +426,7 @@ def loop_sum_bytes(config: Config, table) -> int:
     accumulators, and its sum; 1 / (R C) of the stack's gradients each (C parts per
     repeat, `pipeline_schedule.loop_sums`). 0 where the loop sums nothing."""
     p = config.parallel
-    sums = loop_sums(table) if sums_in_loop(p.schedule, p.zero, p.grad_exchange) else None
+    sums = loop_sums(table) if sums_in_loop(p.schedule, p.zero) else None
     if sums is None:
         return 0
     arrays = [a for a in state_arrays(config) if a.part == "params" and a.stack == "moe"]
