@@ -1,5 +1,6 @@
-"""GPipe against 1F1B (`parallel.schedule`): step time and XLA's temporaries per
-micro-batch count, each 1F1B row against the GPipe row of the same shape in this run.
+"""GPipe against 1F1B and zero-bubble (`parallel.schedule`): step time and XLA's
+temporaries per micro-batch count, each against the GPipe row of the same shape in
+this run.
 
 The trainer's jitted step (`moe_jax.train_step.train_step`), built as `moe_jax.trainer`
 builds it, on 8 forced CPU devices: S = 2 stages of `sp+ep_a2a` over n = 4, a small
@@ -100,27 +101,23 @@ def main() -> None:
     for repeats in map(int, args.repeats.split(",")):
         for micro in map(int, args.micro.split(",")):
             gpipe = measure(config_of("gpipe", micro, repeats), args.steps)
-            one = measure(config_of("1f1b", micro, repeats), args.steps)
-            rows.append(
-                {
-                    "M": micro,
-                    "R": repeats,
-                    "gpipe": gpipe,
-                    "1f1b": one,
-                    "time_ratio": one["step_s"] / gpipe["step_s"],
-                    "temp_ratio": one["temp_MB"] / gpipe["temp_MB"],
-                }
+            row = {"M": micro, "R": repeats, "gpipe": gpipe}
+            line = (
+                f"M={micro:3d} R={repeats}  gpipe {gpipe['step_s'] * 1e3:7.1f} ms "
+                f"{gpipe['temp_MB']:7.2f} MB (model {gpipe['model_MB']:6.2f})"
             )
-            if not args.json:
-                print(
-                    f"M={micro:3d} R={repeats}  gpipe {gpipe['step_s'] * 1e3:7.1f} ms "
-                    f"{gpipe['temp_MB']:7.2f} MB (model {gpipe['model_MB']:6.2f})  "
-                    f"1f1b {one['step_s'] * 1e3:7.1f} ms {one['temp_MB']:7.2f} MB "
-                    f"(model {one['model_MB']:6.2f})  time x{rows[-1]['time_ratio']:.2f} "
-                    f"temp x{rows[-1]['temp_ratio']:.3f}  loss {gpipe['loss']:.6f} "
-                    f"{one['loss']:.6f}",
-                    flush=True,
+            for schedule in ("1f1b", "zero_bubble"):
+                got = measure(config_of(schedule, micro, repeats), args.steps)
+                ratios = (got["step_s"] / gpipe["step_s"], got["temp_MB"] / gpipe["temp_MB"])
+                row[schedule] = {**got, "time_ratio": ratios[0], "temp_ratio": ratios[1]}
+                line += (
+                    f"  {schedule} {got['step_s'] * 1e3:7.1f} ms {got['temp_MB']:7.2f} MB "
+                    f"(model {got['model_MB']:6.2f}) time x{ratios[0]:.2f} temp x{ratios[1]:.3f}"
+                    f" loss {got['loss'] - gpipe['loss']:+.1e}"
                 )
+            rows.append(row)
+            if not args.json:
+                print(line, flush=True)
     if args.json:
         print(json.dumps(rows, indent=1))
 

@@ -241,7 +241,8 @@ class ParallelConfig:
     stages: int = 1  # S: pipeline stages the MoE layer stack is cut over (1: no pipeline)
     microbatches: int = 1  # M: micro-batches per step through the pipeline, a multiple of S
     repeats: int = 1  # R: circular schedule, R non-adjacent layer groups per stage
-    # 'gpipe', or '1f1b' (`moe_jax.parallel.pipeline_1f1b`): inputs held bounded by S R.
+    # 'gpipe', '1f1b' (`moe_jax.parallel.pipeline_1f1b`: inputs held bounded by S R) or
+    # 'zero_bubble' (1F1B, each backward cut in input- and weight-gradient items)
     schedule: str = "gpipe"
 
 

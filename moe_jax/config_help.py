@@ -268,7 +268,10 @@ MEANINGS: dict[str, str] = {
         "`gpipe`: every forward tick, then every backward tick (inputs held: M R + S - 1); "
         "`1f1b`: each micro-batch's backward as soon as its loss is known, in one tick loop, "
         "the head and loss on the last stage (the same bubble; inputs held bounded by S R, "
-        "not M); `gpipe` without a pipeline"
+        "not M); `zero_bubble`: 1F1B with each backward cut in two, the weights' gradients "
+        "deferred so that every stage runs them in the same ticks (M R of them, not "
+        "M R + S - 1; a stash of about S items of weight-GEMM inputs and output gradients); "
+        "`gpipe` without a pipeline"
     ),
     "parallel.ag_threshold": "`auto` picks `ep_ag` when `moe.top_k / parallel.intra` exceeds this",
     "parallel.intra": "n: devices of one intra-node group (experts and sequence split over it)",

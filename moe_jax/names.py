@@ -10,7 +10,7 @@ from __future__ import annotations
 
 # The keys of `moe_jax.parallel.registry.ATTENTION` and `.EXPERTS`, in their order.
 ATTENTION_LAYOUTS = ("dp", "fsdp", "tp", "sp")
-PIPELINE_SCHEDULES = ("gpipe", "1f1b")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "zero_bubble")
 OPTIMIZERS = ("adamw", "muon")
 MOMENT_DTYPES = ("float32", "bfloat16")  # `train.moment_dtype`
 EXPERT_LAYOUTS = ("ep_a2a", "ep_a2a_ragged", "ep_ag", "etp", "ep_etp")

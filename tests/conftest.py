@@ -28,6 +28,7 @@ gc.set_threshold(100_000, 50, 100)
 # starts last and keeps one worker busy after the other has finished.
 LONG_FILES = (
     "test_plan_memory.py",
+    "test_pipeline_1f1b.py",
     "test_parallel.py",
     "test_pipeline.py",
     "test_collective_matmul.py",

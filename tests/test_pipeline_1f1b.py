@@ -6,6 +6,7 @@ the trainer end to end: `tests/test_pipeline_training.py`."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from functools import partial
@@ -15,9 +16,9 @@ import numpy as np
 import pytest
 
 from moe_jax.config import ParallelConfig
+from moe_jax.parallel import backward_halves, pipeline, pipeline_1f1b
 from moe_jax.parallel import mesh as mesh_lib
-from moe_jax.parallel import pipeline, pipeline_1f1b
-from moe_jax.parallel.pipeline_schedule import NONE, loop_sums, one_f_one_b
+from moe_jax.parallel.pipeline_schedule import NONE, loop_sums, one_f_one_b, zero_bubble
 from moe_jax.plan.resolve import check_plan
 from tests import pipelined as piped
 from tests.layouts import (
@@ -72,6 +73,39 @@ def test_table_runs_each_item_once_after_what_it_needs(stages, micro, repeats):
     assert table.forward_ticks() == table.backward_ticks() == micro * repeats + stages - 1
 
 
+@pytest.mark.parametrize(
+    "stages,micro,repeats", [(2, 4, 1), (2, 4, 2), (4, 8, 1), (4, 8, 2), (4, 16, 2), (15, 30, 4)]
+)
+def test_zero_bubble_runs_each_weight_item_once_after_its_input_gradient(stages, micro, repeats):
+    """1F1B's items, each backward's W on its stage at or after its B, reading the stash
+    slot its B wrote (no other B overwrites it in between); the k-th W of every stage in
+    one tick, so W work fills M R ticks, not M R + S - 1; the stash bounded by S."""
+    table, base = zero_bubble(stages, micro, repeats), one_f_one_b(stages, micro, repeats)
+    for name in ("forward", "forward_repeat", "backward", "backward_repeat", "loss"):
+        np.testing.assert_array_equal(getattr(table, name), getattr(base, name))
+    for s in range(stages):
+        b_ticks = [t for t in range(table.ticks) if table.backward[t, s] != NONE]
+        w_ticks = [t for t in range(table.ticks) if table.weight[t, s] != NONE]
+        assert len(b_ticks) == len(w_ticks) == micro * repeats
+        owner = {}  # stash slot -> the item whose B wrote it
+        for t in range(table.ticks):
+            if t in b_ticks:
+                item = (table.backward[t, s], table.backward_repeat[t, s])
+                owner[table.stash_slot[t, s]] = item
+            if t in w_ticks:
+                item = (table.weight[t, s], table.weight_repeat[t, s])
+                assert owner.pop(table.weight_slot[t, s]) == item, (s, t)
+        assert not owner
+        for b, w in zip(b_ticks, w_ticks, strict=True):  # the k-th W after the k-th B
+            assert w >= b
+    assert all(((table.weight[t] != NONE).all() or (table.weight[t] == NONE).all())
+               for t in range(table.ticks))  # fmt: skip
+    assert table.weight_ticks() == micro * repeats
+    assert table.backward_ticks() == table.forward_ticks() == micro * repeats + stages - 1
+    assert table.stash_slots <= stages
+    assert zero_bubble(stages, 2 * micro, repeats).stash_slots == table.stash_slots
+
+
 def test_inputs_in_flight_are_bounded_by_stages_and_repeats_not_micro_batches():
     for stages, repeats in ((2, 1), (4, 1), (4, 2), (15, 4)):
         slots = {
@@ -85,9 +119,9 @@ def test_inputs_in_flight_are_bounded_by_stages_and_repeats_not_micro_batches():
 # --- the step -----------------------------------------------------------------------
 
 
-def _one_f_one_b(config):
+def _scheduled(config, schedule: str = "1f1b"):
     return dataclasses.replace(
-        config, parallel=dataclasses.replace(config.parallel, schedule="1f1b")
+        config, parallel=dataclasses.replace(config.parallel, schedule=schedule)
     )
 
 
@@ -103,14 +137,14 @@ CASES = [
 EIGHT_MOE = dataclasses.replace(MODEL.model, num_layers=9)
 
 
-def _configs(case):
+def _configs(case, schedule: str = "1f1b"):
     s, d, n, r, m, attention, experts = case
     run = on_ragged_dot(piped.pipelined(s, d, n, m, r, attention, experts))
     ref = on_ragged_dot(piped.one_device(m))
     if s * r > 4:
         run = dataclasses.replace(run, model=EIGHT_MOE)
         ref = dataclasses.replace(ref, model=EIGHT_MOE)
-    return _one_f_one_b(run), ref
+    return _scheduled(run, schedule), ref
 
 
 def _label(case) -> str:
@@ -118,9 +152,11 @@ def _label(case) -> str:
     return f"S{s}xD{d}xN{n},M{m},R{r},{attention}+{experts}"
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
 @pytest.mark.parametrize("case", CASES, ids=_label)
-def test_loss_gradients_and_three_steps_equal_one_device(case):
-    config, ref = _configs(case)
+def test_loss_gradients_and_three_steps_equal_one_device(case, schedule, monkeypatch):
+    config, ref = _configs(case, schedule)
+    cut = _recorded_halves(monkeypatch)
     run = planned(config)
     _assert_equal_one_device(run, reference(ref))
     # the table's ticks in one loop (the backward runs inside it), not GPipe's two; with
@@ -128,7 +164,12 @@ def test_loss_gradients_and_three_steps_equal_one_device(case):
     # gradients beside backward GEMMs it can overlap, repeat 0's after the loop
     s, m, r = config.parallel.stages, config.parallel.microbatches, config.parallel.repeats
     table = one_f_one_b(s, m, r)
-    sums = loop_sums(table)
+    sums = loop_sums(zero_bubble(s, m, r) if schedule == "zero_bubble" else table)
+    if schedule == "zero_bubble":  # W: one GEMM per weight matrix of the stage's layers,
+        if not cut:  # and nothing it exchanges (traced again if the step was cached)
+            planned.__wrapped__(config)
+        matrices, weight_gemms, collectives = cut[-1]
+        assert weight_gemms == matrices and collectives == 0, cut[-1]
     ticks = [table.ticks] if sums is None else [sums.start, table.ticks - sums.start]
     trips = pipeline_trip_counts(run.hlo)
     assert all(trips.count(t) == ticks.count(t) for t in {*ticks, m * r + s - 1}), trips
@@ -136,10 +177,41 @@ def test_loss_gradients_and_three_steps_equal_one_device(case):
     assert after > 0 and (looped > 0) == (sums is not None), (looped, after)
 
 
-def test_poisoned_buffers_change_nothing():
-    """Every buffer filled with NaN before anything is written into it: what an idle
-    part of a tick would compute on if it read them (against the clean run)."""
-    config, _ = _configs(CASES[2])
+def _recorded_halves(monkeypatch) -> list:
+    """Wraps `backward_halves.split` (the pipeline's own) to record, for each cut it
+    makes, (the weight matrices of the stage's layers: stacked leaves of rank 3 or
+    more, the weight half's GEMMs, its collectives), each scan body counted once."""
+    cut, split = [], backward_halves.split
+
+    def recording(fn, weights, *rest):
+        input_half, weight_half = split(fn, weights, *rest)
+        _, stash = jax.eval_shape(input_half, weights, *rest)
+        jaxpr = jax.make_jaxpr(weight_half)(weights, stash).jaxpr
+        found = collections.Counter()
+
+        def walk(j):
+            for e in j.eqns:
+                found[e.primitive.name] += 1
+                for sub in jax.extend.core.jaxprs_in_params(e.params):
+                    walk(sub)
+
+        walk(jaxpr)
+        gemms = found["dot_general"] + found["ragged_dot_general"]
+        exchanged = sum(found[k] for k in ("all_to_all", "psum", "all_gather", "ppermute"))
+        matrices = sum(leaf.ndim >= 3 for leaf in jax.tree.leaves(weights))
+        cut.append((matrices, gemms, exchanged))
+        return input_half, weight_half
+
+    monkeypatch.setattr(backward_halves, "split", recording)
+    return cut
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_poisoned_buffers_change_nothing(schedule):
+    """Every buffer (zero-bubble's stash too) filled with NaN before anything is written
+    into it: what an idle part of a tick would compute on if it read them (against the
+    clean run)."""
+    config, _ = _configs(CASES[2], schedule)
     config = check_plan(config, jax.device_count())
     layout = mesh_lib.make_layout(config, mesh_lib.make_mesh(config))
     assert layout.pipeline_loss is pipeline_1f1b.run_loss  # whose bubble is 0.0

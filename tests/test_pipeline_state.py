@@ -210,20 +210,35 @@ def test_temporaries_grow_with_micro_batches_as_the_memory_model_says():
         assert m2 - m1 == 2 * (repeats + 1) * A  # the model's own formula, for the record
 
 
-def test_one_f_one_b_holds_inputs_bounded_by_stages_not_micro_batches():
-    """1F1B holds an item's input only from its forward to its backward, and embeds each
-    micro-batch on stage 0 inside the loop: per micro-batch of M only token ids grow
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_one_f_one_b_holds_inputs_bounded_by_stages_not_micro_batches(schedule):
+    """1F1B holds an item's input only from its forward to its backward (zero-bubble also
+    a stash bounded by S), and embeds each micro-batch on stage 0 inside the loop: per
+    micro-batch of M only token ids grow
     (XLA holds the gathered ids and each stage's own, about 6 bytes a token; the model
     counts the gathered 4 + 4), not the inputs in flight, with R = 2 as with one repeat:
     XLA's growth within a / 4 of the model's, against GPipe's (R + 1) a."""
     micro = (4, 8, 16)
-    points = [_temporaries_and_model(m, 2, "1f1b") for m in micro]
+    points = [_temporaries_and_model(m, 2, schedule) for m in micro]
     for (m_1, m_2), ((t1, p1), (t2, p2)) in zip(
         itertools.pairwise(micro), itertools.pairwise(points), strict=True
     ):
         grown, modelled = (t2 - t1) / (m_2 - m_1), (p2 - p1) / (m_2 - m_1)
         assert 0 < modelled < grown < modelled + A / 4, (m_1, m_2, t1, t2, p1, p2)
     assert grown < 0.1 * (2 + 1) * A  # GPipe's (R + 1) a
+
+
+def test_zero_bubble_holds_its_stash_as_the_memory_model_says():
+    """Zero-bubble keeps what each B leaves for its W (the weight GEMMs' inputs and output
+    gradients) in a stash of S items: XLA's temporaries above 1F1B's as the memory
+    model's say, within 15%, the stash term most of it."""
+    from moe_jax.plan import memory
+
+    zb, one_f = _temporaries_and_model(4, 2, "zero_bubble"), _temporaries_and_model(4, 2, "1f1b")
+    terms = memory.pipeline_activation_bytes(_config(4, 2, "zero_bubble", 512, 0), 2, 4, 2, 1)
+    grown, modelled = zb[0] - one_f[0], zb[1] - one_f[1]
+    assert grown == pytest.approx(modelled, rel=0.15), (grown, modelled)
+    assert terms["stash"] > 0.9 * modelled
 
 
 def test_one_f_one_b_holds_no_more_than_gpipe_where_weights_outweigh_activations():

@@ -1,7 +1,8 @@
 """The trainer with a pipeline: `parallel.stages=2` trains end to end on 8 CPU devices
 and logs the losses of the one-stage run over the same micro-batches
-(`train.grad_accum=M`): GPipe in one process (the test's own), 1F1B as two processes of
-one stage each (`launch/local.py -n 2`): each schedule and each way of running once.
+(`train.grad_accum=M`): GPipe and zero-bubble in one process (the test's own), 1F1B as
+two processes of one stage each (`launch/local.py -n 2`): each schedule and each way of
+running once.
 The other two pairs add no code path: a schedule is one SPMD program whichever process
 holds a stage's devices (its numbers: `tests/test_pipeline.py`, `test_pipeline_1f1b.py`)."""
 
@@ -52,7 +53,9 @@ def one_stage(tmp_path_factory) -> dict[int, float]:
 
 
 @pytest.mark.parametrize(
-    "processes,schedule", [(1, "gpipe"), (2, "1f1b")], ids=["one_process", "a_process_per_stage"]
+    "processes,schedule",
+    [(1, "gpipe"), (2, "1f1b"), (1, "zero_bubble")],
+    ids=["one_process", "a_process_per_stage", "zero_bubble"],
 )
 def test_two_stages_log_the_one_stage_losses(tmp_path, one_stage, processes, schedule):
     settings = {**SETTINGS, **PIPELINE, "parallel.schedule": schedule}

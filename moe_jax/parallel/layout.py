@@ -132,10 +132,11 @@ class Layout:
     # A pipeline over the 'stage' axis (`moe_jax.parallel.pipeline.run`) with
     # parallel.microbatches and parallel.repeats; None: no pipeline.
     pipeline_run: Callable | None = None
-    # parallel.schedule='1f1b': the pipeline that also runs the head and the loss, with
-    # the backward interleaved (`moe_jax.parallel.pipeline_1f1b.run_loss`); None: the
-    # stack alone through `pipeline_run` (GPipe), the loss after it.
+    # parallel.schedule='1f1b' or 'zero_bubble': the pipeline that also runs the head and
+    # the loss, with the backward interleaved (`moe_jax.parallel.pipeline_1f1b.run_loss`);
+    # None: the stack alone through `pipeline_run` (GPipe), the loss after it.
     pipeline_loss: Callable | None = None
+    schedule: str = "gpipe"
     microbatches: int = 1
     repeats: int = 1
     # parallel.zero: 2 is the distributed optimizer (`moe_jax.parallel.distributed_optimizer`):

@@ -15,6 +15,11 @@ stage s - 1 by one `ppermute` each per tick, outside any branch. A part of the t
 stage needs (the tables are static, so every device agrees) is skipped by `lax.cond`,
 so forward work costs M R + S - 1 ticks and backward work as many, as GPipe's.
 
+Zero-bubble (`parallel.schedule=zero_bubble`, `pipeline_schedule.zero_bubble`) runs the
+same items with each backward cut in two (`backward_halves.split`): the tick's B item
+computes the input gradient and keeps what the weights' gradients need in a stash slot;
+its W item, at the tick the table gives every stage's k-th W, computes and adds them.
+
 So the loop computes the gradients during the forward pass of the step. It is wrapped
 as a `jax.custom_vjp` whose forward is the loop and whose backward scales the gradients
 it kept by the loss's cotangent: the step's gradient exchange sees an ordinary
@@ -47,24 +52,31 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax.kernels.varying import typed_as_summed, varying_axes, varying_like, varying_zeros
-from moe_jax.parallel import pipeline
+from moe_jax.parallel import backward_halves, pipeline
 from moe_jax.parallel.layer_sync import Synced, is_synced
 from moe_jax.parallel.layout import STAGE, Layout, Parts
 from moe_jax.parallel.peaks import WithPeaks, map_stats, maximum, split_peaks
-from moe_jax.parallel.pipeline_schedule import NONE, ROWS, Table, loop_sums, one_f_one_b
+from moe_jax.parallel.pipeline_schedule import (
+    NONE,
+    ROWS,
+    ZERO_BUBBLE_ROWS,
+    Table,
+    loop_sums,
+    tick_table,
+)
 from moe_jax.parallel.scopes import DOCUMENT_POSITIONS, GRAD_EXCHANGE, PIPELINE, STAGE_SEND
 
 
 def table(layout: Layout) -> Table:
-    return one_f_one_b(layout.stages, layout.microbatches, layout.repeats)
+    return tick_table(layout.schedule, layout.stages, layout.microbatches, layout.repeats)
 
 
 def sums_in_loop(schedule: str, zero: int) -> bool:
-    """Whether the step has the 1F1B loop sum the stack's gradients (ZeRO 0 and 1, in
-    float32 or by the bf16 exchange, either of which sums a part as well as the whole;
-    the distributed optimizer sums after the loop). The trainer and the planner both
-    ask here."""
-    return schedule == "1f1b" and zero < 2
+    """Whether the step has the 1F1B (or zero-bubble) loop sum the stack's gradients
+    (ZeRO 0 and 1, in float32 or by the bf16 exchange, either of which sums a part as
+    well as the whole; the distributed optimizer sums after the loop). The trainer and
+    the planner both ask here."""
+    return schedule != "gpipe" and zero < 2
 
 
 def run_loss(
@@ -207,12 +219,29 @@ def _one_f_one_b(
     loss_sum = varying_zeros((), jnp.float32, *like)
     ring = [(j, (j + 1) % stages) for j in range(stages)]
     back = [(j, (j - 1) % stages) for j in range(stages)]
-    rows = {name: jnp.asarray(getattr(sched, name)) for name in ROWS}
+    names = ROWS + (ZERO_BUBBLE_ROWS if sched.weight is not None else ())
+    rows = {name: jnp.asarray(getattr(sched, name)) for name in names}
+
+    def stage_grads(p, x, dy, j, rb, b_on):
+        """(the stage's weight gradients, its input gradient) for output gradient `dy`."""
+        (y, stats), pull = jax.vjp(lambda p, x: stage_fn(p, x, j, rb), p, x)
+        seed = jax.tree.map(partial(_masked, b_on), stats_seed(stats))
+        return pull((varying_like(dy, y), seed))
+
+    split = sched.weight is not None  # zero-bubble: B and W run as separate items
+    if split:  # W's stash: a buffer of what B keeps, typed as B makes it
+        b_half, _ = backward_halves.split(
+            lambda p, x, dy: stage_grads(p, x, dy, 0, 0, True), repeat_of(0), zeros_x, zeros_x
+        )
+        _, kept = b_half(repeat_of(0), zeros_x, zeros_x)  # for its types only (dead code)
+        fill = lambda a: varying_like(jnp.full((sched.stash_slots, *a.shape), bubble, a.dtype), a)
+        sbox = jax.tree.map(fill, kept)
 
     def tick(carry, row, forwards: bool = True):
         """One tick; without `forwards` (the drain, `_ticks_then_drain`) its backward only."""
-        inbox, gbox, received, returned, g_params, g_tail, g_prefix, totals, sums, loss_sum = carry
-        at = {name: row[name][me] for name in ROWS}
+        fields, sbox = carry[:10], (carry[10] if split else None)  # zero-bubble: the stash
+        inbox, gbox, received, returned, g_params, g_tail, g_prefix, totals, sums, loss_sum = fields
+        at = {name: row[name][me] for name in names}
         inbox = _put(inbox, at["arrive_slot"], received)
         gbox = _put(gbox, at["gradient_arrive_slot"], returned)
         # whether stage 0 runs virtual stage 0 this tick (the same on every device)
@@ -267,15 +296,21 @@ def _one_f_one_b(
         rb = jnp.maximum(at["backward_repeat"], 0)
         is_first = b_on & (at["backward_slot"] == NONE)
 
+        if split:  # the backward cut for this tick's item: B here, W when the table says
+            b_half, w_half = backward_halves.split(
+                partial(stage_grads, j=j, rb=rb, b_on=b_on), repeat_of(rb), zeros_x, zeros_x
+            )
+
         def backward(args):
-            g_params, g_prefix = args
+            g_params, g_prefix, sbox = args
             x_in = _kept(inbox, at["backward_slot"])
             dy = jnp.where(b_on, item(gbox, at["gradient_slot"]), zeros_x)
 
             def pulled(p, x):
-                (y, stats), pull = jax.vjp(lambda p, x: stage_fn(p, x, j, rb), p, x)
-                seed = jax.tree.map(partial(_masked, b_on), stats_seed(stats))
-                return pull((varying_like(dy, y), seed))
+                if not split:
+                    return stage_grads(p, x, dy, j, rb, b_on)
+                dx, kept = b_half(p, x, dy)
+                return kept, dx
 
             def through_prefix(g_prefix):
                 x, pull_prefix = jax.vjp(lambda hp: first(hp, j)[0], prefix_params)
@@ -291,33 +326,43 @@ def _one_f_one_b(
             d_local, dx, g_prefix = jax.lax.cond(
                 starts("backward"), through_prefix, stack_only, g_prefix
             )
-            # a scatter-add, in place (a read-modify-write of the slice copied a repeat);
-            # where the loop sums them, into the repeat's row of the flat accumulators
-            add = lambda acc, d: acc.at[rb].add(d.reshape(acc.shape[1:]))
-            g_params = jax.tree.map(add, g_params, d_local)
-            return g_params, g_prefix, dx
+            if split:  # d_local is what W will read
+                put = lambda box, v: _put(box, jnp.where(b_on, at["stash_slot"], NONE), v)
+                return g_params, g_prefix, jax.tree.map(put, sbox, d_local), dx
+            return _added(g_params, d_local, rb), g_prefix, sbox, dx
 
-        g_params, g_prefix, dx = jax.lax.cond(
+        g_params, g_prefix, sbox, dx = jax.lax.cond(
             (row["backward"] != NONE).any(),
             backward,
             lambda a: (*a, zeros_x),
-            (g_params, g_prefix),
+            (g_params, g_prefix, sbox),
         )
+        if split:
+            w_on, rw = at["weight"] != NONE, jnp.maximum(at["weight_repeat"], 0)
+
+            def weight(g_params):
+                kept = jax.tree.map(lambda box: _kept(box, at["weight_slot"]), sbox)
+                d_local = w_half(repeat_of(rw), kept)
+                d_local = jax.tree.map(lambda d: jnp.where(w_on, d, jnp.zeros_like(d)), d_local)
+                return _added(g_params, d_local, rw)
+
+            g_params = jax.lax.cond((row["weight"] != NONE).any(), weight, lambda g: g, g_params)
         with jax.named_scope(STAGE_SEND):
             sent = jax.lax.ppermute(y, STAGE, ring) if forwards else zeros_x
             sent_back = jax.lax.ppermute(dx, STAGE, back)
         carry = (inbox, gbox, sent, sent_back, g_params, g_tail, g_prefix, totals, sums, loss_sum)
-        return carry, None
+        return (*carry, sbox) if split else carry, None
 
     totals = (total, prefix_peaks)
     if reduces:  # each repeat's gradients one row, summed a part at a time
         g_params = jax.tree.map(lambda g: g.reshape(g.shape[0], -1), g_params)
     carry = (inbox, gbox, zeros_x, zeros_x, g_params, g_tail, g_prefix, totals, sums, loss_sum)
+    carry = (*carry, sbox) if split else carry
     if in_loop is None:
         carry, _ = jax.lax.scan(tick, carry, rows)
     else:
         carry = _ticks_then_drain(tick, carry, rows, in_loop, reduces, sched.ticks)
-    _, _, _, _, g_params, g_tail, g_prefix, (total, prefix_peaks), sums, loss_sum = carry
+    _, _, _, _, g_params, g_tail, g_prefix, (total, prefix_peaks), sums, loss_sum = carry[:10]
     if reduces:  # the repeats not summed in the loop, then each gradient in its shape
         first = repeats if in_loop is None else in_loop.after
         accs, tree = jax.tree.flatten(g_params)
@@ -410,6 +455,13 @@ def _put_part(acc: jax.Array, r, summed, part, begin, fresh) -> jax.Array:
     """`acc` with its `part` (`_part`) in row r replaced by the part's sum `summed`."""
     new = jnp.where(fresh, summed.astype(acc.dtype), part)
     return jax.lax.dynamic_update_slice(acc, new, (r, begin))
+
+
+def _added(g_params, d_local, r):
+    """The accumulators with repeat r's gradients added: a scatter-add, in place (a
+    read-modify-write of the slice copied a repeat); where the loop sums them, into the
+    repeat's row of the flat accumulators."""
+    return jax.tree.map(lambda acc, d: acc.at[r].add(d.reshape(acc.shape[1:])), g_params, d_local)
 
 
 def _kept(inbox, slot):

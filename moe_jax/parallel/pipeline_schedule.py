@@ -60,6 +60,15 @@ class Table:
     gradient_arrive_slot: np.ndarray
     slots: int
     gradient_slots: int
+    # zero-bubble only (`zero_bubble`): each backward item above is B, its input
+    # gradient; weight, weight_repeat: the item whose W (its weights' gradients) a
+    # stage runs, reading what B kept in weight_slot; stash_slot: where the tick's B
+    # keeps it; stash_slots: that buffer's size.
+    weight: np.ndarray | None = None
+    weight_repeat: np.ndarray | None = None
+    weight_slot: np.ndarray | None = None
+    stash_slot: np.ndarray | None = None
+    stash_slots: int = 0
 
     @property
     def ticks(self) -> int:
@@ -72,6 +81,10 @@ class Table:
     def backward_ticks(self) -> int:
         """Ticks in which some stage runs backward work (each costs one backward)."""
         return int((self.backward != NONE).any(1).sum())
+
+    def weight_ticks(self) -> int:
+        """Ticks in which some stage runs a W item (zero-bubble; 1F1B's B holds its W)."""
+        return 0 if self.weight is None else int((self.weight != NONE).any(1).sum())
 
 
 class _Slots:
@@ -107,6 +120,47 @@ def one_f_one_b(stages: int, microbatches: int, repeats: int = 1) -> Table:
         slots=max(1, max(p.used for p in sim.inputs)),
         gradient_slots=max(1, max(p.used for p in sim.grads)),
     )  # fmt: skip
+
+
+@functools.cache
+def zero_bubble(stages: int, microbatches: int, repeats: int = 1) -> Table:
+    """1F1B's table with each backward cut in two (Qi et al.'s B and W): B, the input
+    gradient the stage before waits for, at 1F1B's tick; W, the weights' gradients, which
+    nothing waits for, at the latest tick at which every stage has run its k-th B, so
+    that the k-th W of every stage runs in the same tick. In lock step a tick costs the
+    work of its busiest stage, so W work costs M R ticks instead of 1F1B's M R + S - 1:
+    the bubble loses (S - 1) W. What B keeps for W (the weight GEMMs' inputs and output
+    gradients) waits in a stash of `stash_slots` items, about S."""
+    base = one_f_one_b(stages, microbatches, repeats)
+    b = base.backward
+    per_stage = [np.nonzero(b[:, s] != NONE)[0] for s in range(stages)]  # each's B ticks
+    when = np.max(np.stack(per_stage), axis=0)  # the k-th W's tick, every stage's
+    rows = {n: np.full_like(b, NONE) for n in ZERO_BUBBLE_ROWS}
+    pools = [_Slots() for _ in range(stages)]
+    kept: dict[tuple[int, int], int] = {}  # (stage, k) -> its stash slot
+    for t in range(base.ticks):
+        for s in range(stages):
+            if b[t, s] != NONE:
+                k = int(np.searchsorted(per_stage[s], t))
+                kept[(s, k)] = rows["stash_slot"][t, s] = pools[s].take()
+        for k in np.nonzero(when == t)[0]:
+            for s in range(stages):
+                at = per_stage[s][k]
+                rows["weight"][t, s], rows["weight_slot"][t, s] = b[at, s], kept[(s, k)]
+                rows["weight_repeat"][t, s] = base.backward_repeat[at, s]
+                pools[s].release.append(kept[(s, k)])
+        for pool in pools:
+            pool.end_tick()
+    return dataclasses.replace(base, **rows, stash_slots=max(p.used for p in pools))
+
+
+ZERO_BUBBLE_ROWS = ("weight", "weight_repeat", "weight_slot", "stash_slot")
+
+
+def tick_table(schedule: str, stages: int, microbatches: int, repeats: int = 1) -> Table:
+    """The table of `parallel.schedule` '1f1b' or 'zero_bubble'."""
+    cut = zero_bubble if schedule == "zero_bubble" else one_f_one_b
+    return cut(stages, microbatches, repeats)
 
 
 # The table's arrays, each [ticks, stages].
@@ -229,7 +283,9 @@ def loop_sums(table: Table) -> LoopSums | None:
     """The most parts per repeat that fit the drain (smaller parts: less to hide behind
     each tick), with as many repeats in the loop as fit; None where none does (R = 1)."""
     r_, ticks = table.repeats, table.ticks
-    final = [int(np.nonzero((table.backward_repeat == r).any(1))[0].max()) for r in range(r_)]
+    # a repeat's gradients are final after its last backward (zero-bubble: its last W)
+    last = table.backward_repeat if table.weight is None else table.weight_repeat
+    final = [int(np.nonzero((last == r).any(1))[0].max()) for r in range(r_)]
     first = final[-1] + 1  # the first tick after the last repeat is final
     for n in range(r_ - 1, 0, -1):
         chunks = (ticks - first) // n

@@ -251,9 +251,13 @@ class StepCost:
 
     @property
     def bubble(self) -> float:
-        return bubble_fraction(
-            self.plan.parallel.stages, self.micro_batches, self.plan.parallel.repeats
-        )
+        """The share of a pipeline's ticks that idle (zero-bubble: of its tick time)."""
+        p = self.plan.parallel
+        fraction = bubble_fraction(p.stages, self.micro_batches, p.repeats)
+        if p.schedule != "zero_bubble" or not self.micro_batch_s:
+            return fraction
+        idle = self.breakdown.get("bubble", 0.0)
+        return idle / (idle + self.micro_batches * p.repeats * self.micro_batch_s)
 
 
 class CostModel(BlockCosts, Schedules, GradSync, MuonCost):

@@ -95,7 +95,9 @@ class GradSync:
         p = self.plan.parallel
         sums = None
         if pipeline_1f1b.sums_in_loop(p.schedule, p.zero):
-            table = pipeline_schedule.one_f_one_b(p.stages, self.micro_batches, p.repeats)
+            table = pipeline_schedule.tick_table(
+                p.schedule, p.stages, self.micro_batches, p.repeats
+            )
             sums = pipeline_schedule.loop_sums(table)
         if sums is None:
             return sync_time(loop + rest), 0.0

@@ -22,7 +22,7 @@ from moe_jax.moe.experts import kernel_of
 from moe_jax.parallel import registry
 from moe_jax.parallel.layout import DATA, INTRA
 from moe_jax.parallel.pipeline_1f1b import sums_in_loop
-from moe_jax.parallel.pipeline_schedule import loop_sums, one_f_one_b
+from moe_jax.parallel.pipeline_schedule import loop_sums, tick_table
 from moe_jax.plan import memory_experts, memory_mla, muon_cost
 from moe_jax.plan.comm_volume import DTYPE_BYTES
 from moe_jax.plan.state_arrays import device_bytes, state_arrays, state_bytes, units
@@ -386,7 +386,10 @@ def pipeline_activation_bytes(
       token_ids, the M micro-batches' token ids and targets; working, one tick's
       backward, or the head (embedding, dense prefix) or tail of one micro-batch;
       summed_parts, where the loop sums the stack's gradients in its drain, the part
-      a tick sums and its sum (`loop_sum_bytes`).
+      a tick sums and its sum (`loop_sum_bytes`);
+    * zero-bubble: 1F1B's, and the stash of the items whose W waits (`pipeline_schedule.
+      zero_bubble`: about S, and the one being made), each its group's activations
+      without recomputation.
 
     Per micro-batch of M the device holds (R + 1) a more under GPipe, token ids only
     under 1F1B (tests/test_pipeline_state.py measures both in XLA's buffer assignment)."""
@@ -405,15 +408,23 @@ def pipeline_activation_bytes(
         chunks = loss_chunks(config, z.b * config.parallel.data, z.s)
         return _head_bytes(config, z) + z.t * config.model.vocab_size * FP32 // chunks
 
-    if config.parallel.schedule == "1f1b":  # head and tail of one micro-batch per tick
-        table = one_f_one_b(stages, micro, repeats)
+    if config.parallel.schedule != "gpipe":  # head and tail of one micro-batch per tick
+        table = tick_table(config.parallel.schedule, stages, micro, repeats)
         kept_p, working_p = stage_activation_bytes(config, outside, False, micro_batch)
         working = max(kept_g + working_g, kept_m + working_m + head(z) + tables, kept_p + working_p)
         # the M micro-batches' token ids, targets, MTP tokens, targets and weights
         ids = (2 + 3 * config.model.mtp_depth) * micro * z.t * 4
         in_flight = (table.slots + table.gradient_slots) * a
         parts = loop_sum_bytes(config, table)
-        return {"in_flight": in_flight, "token_ids": ids, "working": working, "summed_parts": parts}
+        # zero-bubble: what each B keeps for its W, its group's activations as a
+        # backward without recomputation reads them, for up to `stash_slots` items and
+        # the one the tick's B makes before it is written into its slot
+        group_bytes = sum(unit_activation_bytes(config, u, micro_batch) for u in group)
+        stash = (table.stash_slots + 1) * group_bytes if table.stash_slots else 0
+        return {
+            "in_flight": in_flight, "token_ids": ids, "working": working,
+            "summed_parts": parts, "stash": stash,
+        }  # fmt: skip
     kept_o, working_o = kept_o + k * kept_m, max(working_o, working_m)
     working = max(kept_g + working_g, working_o + head(_sizes(config, k * micro_batch)) + tables)
     ticks = (micro * repeats + stages - 1) * a

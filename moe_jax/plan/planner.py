@@ -449,9 +449,11 @@ def _bubble(cost: StepCost) -> str:
     if not p.pipelined:
         stages = f"p={p.parallel.stages}, m={m}"
         return f"{cost.bubble:.1%} of each stage's time (1F1B, (p-1)/(m+p-1), {stages})"
+    zb = "tick time ((S-1)(T-W): a tick's weight gradients W run in M R ticks,"
+    formula = zb if p.parallel.schedule == "zero_bubble" else "ticks ((S-1)/(M R + S - 1),"
     return (
-        f"{cost.bubble:.1%} of the pipelined ticks ((S-1)/(M R + S - 1), "
-        f"S={p.parallel.stages} stages, M={m} micro-batches, R={p.parallel.repeats} repeats)"
+        f"{cost.bubble:.1%} of the pipelined {formula} S={p.parallel.stages} stages, "
+        f"M={m} micro-batches, R={p.parallel.repeats} repeats)"
     )
 
 

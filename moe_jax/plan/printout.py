@@ -30,7 +30,7 @@ LEGEND = (
     "  plan          parallel.attention+parallel.experts, then /E: parallel.etp=E (ep_etp: "
     "devices splitting each expert's width), +fsdp: parallel.expert_fsdp=True, +cN: "
     "parallel.overlap_chunks=N, +cm: parallel.collective_matmul=True, +1f1b: "
-    "parallel.schedule=1f1b",
+    "parallel.schedule=1f1b, +zb: parallel.schedule=zero_bubble",
     "  intra         parallel.intra: devices of one intra-node group (experts and sequences "
     "split there)",
     "  stages        parallel.stages: pipeline stages (S; 1: no pipeline)",
@@ -83,7 +83,7 @@ def row(tag: str, c: planner.Candidate) -> str:
     label += "+fsdp" if p.expert_fsdp else ""
     label += f"+c{p.overlap_chunks}" if p.overlap_chunks > 1 else ""
     label += "+cm" if p.collective_matmul else ""
-    label += "+1f1b" if p.schedule == "1f1b" else ""
+    label += {"1f1b": "+1f1b", "zero_bubble": "+zb"}.get(p.schedule, "")
     memory = f"{c.memory.total / 1e9:>8.1f}" if c.memory is not None else f"{'-':>8}"
     return (
         f"{tag:>3} {label:<26}{p.intra:>6}{p.stages:>7}{p.repeats:>8}{p.data:>6}{p.zero:>5}"

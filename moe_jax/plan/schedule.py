@@ -12,7 +12,7 @@ import dataclasses
 import functools
 
 from moe_jax.model.mtp import is_moe
-from moe_jax.plan.op_costs import Tally, collective_time, recomputed
+from moe_jax.plan.op_costs import BACKWARD, RING_PARTNERS, Tally, collective_time, recomputed
 
 
 def bubble_fraction(stages: int, micro_batches: int, repeats: int = 1) -> float:
@@ -149,6 +149,25 @@ class Schedules:
         tally.add(Tally(exposed={"pipeline_p2p": 2 * self.send_s(self.t)}))
         return tally
 
+    def deferred_s(self) -> float:
+        """What zero-bubble takes out of a tick of the bubble (0 under the other
+        schedules): its W item, the weights' half of each weight GEMM's backward (the
+        input gradient is the other) and their addition into the step's sum, run in M R
+        ticks of every stage at once (`pipeline_schedule.zero_bubble`). B keeps its
+        exchanges' timing as 1F1B's (their GEMMs to hide behind shrink by W; not
+        modelled)."""
+        if self.plan.parallel.schedule != "zero_bubble":
+            return 0.0
+
+        def weights_half(ops: list) -> float:
+            kinds = [op for op in ops if op.kind in RING_PARTNERS]
+            return sum(self._time(op, True) * _backward_factor(op) / 2 for op in kinds)
+
+        attention = weights_half(self.attention_ops())
+        unit = attention + weights_half(self.moe_ops())
+        unit += (self.config.model.moe_every - 1) * (attention + weights_half(self.mlp_ops()))
+        return self.units_per_group() * unit + self.accumulation_s(self.group_params())
+
     def outside(self) -> Tally:
         """The dense prefix and the head of one micro-batch, outside the pipeline."""
         tally = self.head()
@@ -176,7 +195,7 @@ class Schedules:
         repeats' gradients behind its backward (`pipeline_sync_split`)."""
         p = self.plan.parallel
         (tick, outside, parts), k = self._shared(), self.micro_batches // p.stages
-        one_f_one_b = p.schedule == "1f1b"
+        one_f_one_b = p.schedule != "gpipe"  # 1F1B or zero-bubble
         total = Tally()
         total.add(tick, self.micro_batches * p.repeats)
         # 1F1B: stage 0's embedding and dense prefix and the last stage's head of all
@@ -190,11 +209,15 @@ class Schedules:
         breakdown["grad_accumulation"] += passes * self.accumulation_s(outside, passes=passes)
         if not one_f_one_b:  # the embedded micro-batches to stage 0, the outputs back
             breakdown["pipeline_p2p"] += 4 * (p.stages - 1) * self.send_s(k * self.t)
-        breakdown["bubble"] = (p.stages - 1) * tick.seconds
+        breakdown["bubble"] = (p.stages - 1) * (tick.seconds - self.deferred_s())
         breakdown["grad_sync"], hidden = self.pipeline_sync_split(*parts, tick.backward)
         breakdown["optimizer"] = self.optimizer_s(p.repeats * self.group_params() + outside)
         breakdown.update(self.muon_s())
         return breakdown, {**total.hidden, "grad_sync": hidden}, tick.seconds
+
+
+def _backward_factor(op) -> float:
+    return BACKWARD[op.kind] if op.backward is None else op.backward
 
 
 @functools.lru_cache(maxsize=1)
