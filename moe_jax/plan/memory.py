@@ -388,8 +388,8 @@ def pipeline_activation_bytes(
       summed_parts, where the loop sums the stack's gradients in its drain, the part
       a tick sums and its sum (`loop_sum_bytes`);
     * zero-bubble: 1F1B's, and the stash of the items whose W waits (`pipeline_schedule.
-      zero_bubble`: about S, and the one being made), each its group's activations
-      without recomputation.
+      zero_bubble`: about S), with the item being made and the one being read
+      (`stash_item_bytes`).
 
     Per micro-batch of M the device holds (R + 1) a more under GPipe, token ids only
     under 1F1B (tests/test_pipeline_state.py measures both in XLA's buffer assignment)."""
@@ -416,11 +416,10 @@ def pipeline_activation_bytes(
         ids = (2 + 3 * config.model.mtp_depth) * micro * z.t * 4
         in_flight = (table.slots + table.gradient_slots) * a
         parts = loop_sum_bytes(config, table)
-        # zero-bubble: what each B keeps for its W, its group's activations as a
-        # backward without recomputation reads them, for up to `stash_slots` items and
-        # the one the tick's B makes before it is written into its slot
-        group_bytes = sum(unit_activation_bytes(config, u, micro_batch) for u in group)
-        stash = (table.stash_slots + 1) * group_bytes if table.stash_slots else 0
+        # zero-bubble: the stash's slots, the item the tick's B makes and the one its W
+        # reads (XLA keeps both beside the buffer)
+        item = stash_item_bytes(config, group, micro_batch)
+        stash = (table.stash_slots + 2) * item if table.stash_slots else 0
         return {
             "in_flight": in_flight, "token_ids": ids, "working": working,
             "summed_parts": parts, "stash": stash,
@@ -429,6 +428,35 @@ def pipeline_activation_bytes(
     working = max(kept_g + working_g, working_o + head(_sizes(config, k * micro_batch)) + tables)
     ticks = (micro * repeats + stages - 1) * a
     return {"tick_inputs": ticks, "buffer": micro * a, "outside": kept_o, "working": working}
+
+
+# What zero-bubble's W does not read of a block's stored tensors: attention's internals,
+# the weights' copies and routing's bookkeeping.
+NOT_READ_BY_W = (
+    "scores", "attention_weights", "mlp_weights", "expert_weights", "shared_mlp_weights",
+    "router", "exchange", "combine_rows",
+)  # fmt: skip
+
+
+def stash_item_bytes(config: Config, group: list, micro_batch: int | None = None) -> int:
+    """What one zero-bubble B keeps for its W on one device (`moe_jax.parallel.
+    backward_halves`): each weight GEMM's input and output gradient for the group's
+    layers. Of a block's stored tensors (`block_activation_bytes`) those W reads: the
+    projections' and norms' inputs, q, k, v and attention's output, the routed rows and
+    three of the six hidden tensors; plus the output gradients of the projections
+    (t·h·B), of the MLP's and experts' down projections (as large as their inputs)."""
+    z = _sizes(config, micro_batch)
+    total = 0
+    for kind, layers in group:
+        blocks = [False] * layers if kind == "dense" else [False] * (layers - 1) + [True]
+        for moe in blocks:
+            terms = block_activation_bytes(config, moe, micro_batch)
+            read = {k: v for k, v in terms.items() if k not in NOT_READ_BY_W}
+            for hidden in ("mlp_hidden", "expert_hidden", "shared_mlp_hidden"):
+                read[hidden] = read.get(hidden, 0) // 2
+            ins = ("expert_rows", "mlp_input", "shared_mlp_input")
+            total += sum(read.values()) + z.t * z.h * z.B + sum(read.get(k, 0) for k in ins)
+    return total
 
 
 def loop_sum_bytes(config: Config, table) -> int:
