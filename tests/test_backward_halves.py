@@ -48,8 +48,8 @@ def _args():
     return w, x, jnp.float32(1.5), dy
 
 
-def _gemms(fn, *args) -> int:
-    """dot_general equations in `fn`'s program, a scan's body counted once."""
+def primitives(fn, *args) -> collections.Counter:
+    """The equations of `fn`'s program by primitive, a scan's (or call's) body once."""
     found = collections.Counter()
 
     def walk(jaxpr):
@@ -59,7 +59,11 @@ def _gemms(fn, *args) -> int:
                 walk(sub)
 
     walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return found["dot_general"]
+    return found
+
+
+def _gemms(fn, *args) -> int:
+    return primitives(fn, *args)["dot_general"]
 
 
 def test_halves_give_the_whole_backward_and_split_its_gemms():

@@ -6,7 +6,6 @@ the trainer end to end: `tests/test_pipeline_training.py`."""
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import math
 from functools import partial
@@ -30,6 +29,7 @@ from tests.layouts import (
     run_under,
 )
 from tests.pipelined import MODEL, pipeline_trip_counts
+from tests.test_backward_halves import primitives
 from tests.test_distributed_optimizer import _sums_beside_the_backward
 from tests.test_pipeline import _assert_equal_one_device
 
@@ -186,16 +186,7 @@ def _recorded_halves(monkeypatch) -> list:
     def recording(fn, weights, *rest):
         input_half, weight_half = split(fn, weights, *rest)
         _, stash = jax.eval_shape(input_half, weights, *rest)
-        jaxpr = jax.make_jaxpr(weight_half)(weights, stash).jaxpr
-        found = collections.Counter()
-
-        def walk(j):
-            for e in j.eqns:
-                found[e.primitive.name] += 1
-                for sub in jax.extend.core.jaxprs_in_params(e.params):
-                    walk(sub)
-
-        walk(jaxpr)
+        found = primitives(weight_half, weights, stash)
         gemms = found["dot_general"] + found["ragged_dot_general"]
         exchanged = sum(found[k] for k in ("all_to_all", "psum", "all_gather", "ppermute"))
         matrices = sum(leaf.ndim >= 3 for leaf in jax.tree.leaves(weights))
