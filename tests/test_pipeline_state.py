@@ -126,12 +126,12 @@ MEGASCALE_352B = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero_bubble"])
 def test_megascale_352b_pipeline_compiles(schedule):
     """The 352B model's train step under its 1,440-GPU plan, one pipeline's 120 devices
     (forced CPU devices, abstract inputs: nothing allocated), at reduced width: 60
     layers in 15 stages x 4 repeats of one layer, 30 micro-batches, under each
-    schedule."""
+    schedule (zero-bubble's 193 ticks as 1F1B's)."""
     done = subprocess.run(
         [sys.executable, "-c", MEGASCALE_352B, schedule],
         cwd=Path(__file__).resolve().parents[1],
@@ -151,6 +151,9 @@ def test_megascale_352b_pipeline_compiles(schedule):
         sums = loop_sums(one_f_one_b(15, 30, 4))
         assert (sums.start, sums.chunks, sums.summed) == (148, 15, 3)
         assert trips.count(148) == trips.count(45) == 1 and 134 not in trips, trips
+    if schedule == "zero_bubble":  # its stash (17 items of one layer's weight-GEMM
+        # operands, 2.4 GB here) outweighs the rest: XLA holds it as the model counts it
+        assert held == pytest.approx(predicted, rel=0.15), (held, predicted)
     print(f"352B pipeline per device: compiled {held / 1e6:.0f} MB, model {predicted / 1e6:.0f} MB")
 
 
