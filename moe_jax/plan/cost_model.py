@@ -79,7 +79,6 @@ from moe_jax.plan.grad_sync import GradSync
 from moe_jax.plan.hardware import GPU
 from moe_jax.plan.muon_cost import MuonCost
 from moe_jax.plan.op_costs import (
-    BACKWARD,
     COMPUTE_KINDS,
     RING_PARTNERS,
     BlockCosts,
@@ -88,6 +87,7 @@ from moe_jax.plan.op_costs import (
     Link,
     Op,
     Tally,
+    backward_factor,
     exposed,
     gemm_factor,
     recomputed,
@@ -318,8 +318,7 @@ class CostModel(BlockCosts, Schedules, GradSync, MuonCost):
         compute: dict[str, float] = {}
         partner = gemms = 0.0
         for op in ops:
-            factor = BACKWARD[op.kind] if op.backward is None else op.backward
-            seconds = self._time(op, backward) * (factor if backward else 1.0)
+            seconds = self._time(op, backward) * (backward_factor(op) if backward else 1.0)
             compute[op.name] = compute.get(op.name, 0.0) + seconds
             partner += seconds if op.kind in COMPUTE_KINDS else 0.0
             gemms += seconds if op.kind in RING_PARTNERS else 0.0

@@ -170,6 +170,11 @@ class Exchange:
 BACKWARD = {"gemm": 2.0, "grouped_gemm": 2.0, "attention": 2.5, "memory": 2.0}
 
 
+def backward_factor(op: Op) -> float:
+    """The operator's backward time over its forward's (its own, else its kind's)."""
+    return BACKWARD[op.kind] if op.backward is None else op.backward
+
+
 def recomputed(ops: list[Op]) -> list[Op]:
     """What a rematerialised forward runs again: what the backward reads (an operator
     with no backward, as QK-clip's peak pass, only feeds the forward's outputs)."""

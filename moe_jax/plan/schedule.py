@@ -12,7 +12,13 @@ import dataclasses
 import functools
 
 from moe_jax.model.mtp import is_moe
-from moe_jax.plan.op_costs import BACKWARD, RING_PARTNERS, Tally, collective_time, recomputed
+from moe_jax.plan.op_costs import (
+    RING_PARTNERS,
+    Tally,
+    backward_factor,
+    collective_time,
+    recomputed,
+)
 
 
 def bubble_fraction(stages: int, micro_batches: int, repeats: int = 1) -> float:
@@ -161,7 +167,7 @@ class Schedules:
 
         def weights_half(ops: list) -> float:
             kinds = [op for op in ops if op.kind in RING_PARTNERS]
-            return sum(self._time(op, True) * _backward_factor(op) / 2 for op in kinds)
+            return sum(self._time(op, True) * backward_factor(op) / 2 for op in kinds)
 
         attention = weights_half(self.attention_ops())
         unit = attention + weights_half(self.moe_ops())
@@ -214,10 +220,6 @@ class Schedules:
         breakdown["optimizer"] = self.optimizer_s(p.repeats * self.group_params() + outside)
         breakdown.update(self.muon_s())
         return breakdown, {**total.hidden, "grad_sync": hidden}, tick.seconds
-
-
-def _backward_factor(op) -> float:
-    return BACKWARD[op.kind] if op.backward is None else op.backward
 
 
 @functools.lru_cache(maxsize=1)
