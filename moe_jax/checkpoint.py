@@ -20,6 +20,7 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 from jax.experimental import multihost_utils
 from orbax.checkpoint._src.metadata import array_metadata_store
 
@@ -68,6 +69,13 @@ def _write_failure(step: int, directory: Path, error: Exception) -> str:
         "previous checkpoint stays the newest (the partial write is ignored, and removed "
         "at the next start); free space and run again to resume from it"
     )
+
+
+def _key(path) -> tuple[str, ...]:
+    """A state leaf's path as plain names, the same for the saved metadata's dicts and
+    the state's dataclass, `nnx.State` and `Variable`s."""
+    keys = (getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
+    return tuple(str(k) for k in keys if str(k) != "value")
 
 
 def _damaged_file(error: Exception, directory: Path) -> str:
@@ -243,14 +251,38 @@ class Checkpointer:
             ),
             like,
         )
+        target = pipeline.canonical(abstract)
+        strict = not self._padded_apart(step, target)
         restored = self.manager.restore(
             step,
             args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(pipeline.canonical(abstract)),
+                state=ocp.args.StandardRestore(target, strict=strict),
                 data=ocp.args.JsonRestore(),
             ),
         )
         return pipeline.staged(restored["state"], abstract), restored["data"]
+
+    def _padded_apart(self, step: int, target) -> bool:
+        """Whether the saved state differs from `target`'s shapes, and only where ZeRO-1
+        pads moments (`moe_jax.parallel.zero_padding`): optimizer state, one dimension
+        each. Orbax then pads the zeros or drops them; any other difference stays
+        orbax's error."""
+        path = epath.Path(self.directory / str(step) / "state")
+        saved = ocp.StandardCheckpointHandler().metadata(path).tree
+        shapes = {_key(p): leaf.shape for p, leaf in jax.tree_util.tree_leaves_with_path(saved)}
+        apart = False
+        for p, leaf in jax.tree_util.tree_leaves_with_path(target):
+            key, shape = _key(p), tuple(leaf.shape)
+            old = tuple(shapes.get(key, shape))
+            if old == shape:
+                continue
+            differ = (
+                len(old) == len(shape) and sum(a != b for a, b in zip(old, shape, strict=True)) == 1
+            )
+            if key[0] != "opt_state" or not differ:
+                return False
+            apart = True
+        return apart
 
     def wait(self) -> None:
         """Returns once the last save is complete on every process (before exiting on a signal)."""

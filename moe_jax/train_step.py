@@ -28,11 +28,12 @@ from moe_jax.parallel import (
     muon_placement,
     per_device_step,
     pipeline_1f1b,
+    zero_padding,
 )
 from moe_jax.parallel import mesh as mesh_lib
 from moe_jax.parallel import peaks as peaks_lib
 from moe_jax.parallel.layout import Layout
-from moe_jax.train_state import TrainState, init_state
+from moe_jax.train_state import TrainState, init_state, moment_paddings
 
 
 def abstract_state(config: Config, layout: Layout):
@@ -291,8 +292,13 @@ def apply_gradients(
     rate = config.moe.bias_update_rate
     clipped = cfg.grad_clip > 0  # chain(clip, rule): the clip's state is empty
 
+    pads = moment_paddings(cfg, state.params, layout)  # ZeRO-1's, where no dimension divides
+    padded = zero_padding.pad(grads, pads)
+
     def stepped(params, opt_state):
-        updates, inner = rule.update(grads, opt_state[1] if clipped else opt_state, params)
+        inner = opt_state[1] if clipped else opt_state
+        updates, inner = rule.update(padded, inner, zero_padding.pad(params, pads))
+        updates = zero_padding.unpad(updates, pads, params)
         return optax.apply_updates(params, updates), (opt_state[0], inner) if clipped else inner
 
     # The update may overflow where the loss and gradients did not (a huge learning rate

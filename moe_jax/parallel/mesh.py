@@ -21,7 +21,13 @@ from jax.sharding import PartitionSpec as P
 
 from moe_jax.config import Config
 from moe_jax.data.documents import masked as documents_masked
-from moe_jax.parallel import distributed_optimizer, pipeline, pipeline_1f1b, registry
+from moe_jax.parallel import (
+    distributed_optimizer,
+    pipeline,
+    pipeline_1f1b,
+    registry,
+    zero_padding,
+)
 from moe_jax.parallel.layout import DATA, MESH_AXES, STAGE, Layout, axes_of
 
 
@@ -101,17 +107,21 @@ def train_state_shardings(state, layout: Layout, zero: int):
     return shardings
 
 
-def placement(layout: Layout, names, shape: tuple[int, ...], data: int, over_data: bool) -> list:
+def placement(
+    layout: Layout, names, shape: tuple[int, ...], data: int, over_data: bool, pad: bool = False
+) -> list:
     """Mesh axes of each dimension of an array with logical axes `names`: by the layout's
-    rules; `over_data` (ZeRO-1 moments) also splits the first unsplit dimension that
-    `data` divides over 'data'. The planner's memory model places arrays with this too."""
+    rules; `over_data` (ZeRO-1 moments) also splits one unsplit dimension over 'data'
+    (`zero_padding.data_dim`: one that `data` divides; with `pad`, of a moment's
+    unpadded shape, the one it pads where none does). The planner's memory model places
+    arrays with this too."""
     spec = list(layout.param_spec(names))
     spec += [None] * (len(shape) - len(spec))
     used = {a for entry in spec for a in axes_of(entry)}
     if over_data and data > 1 and DATA not in used:
-        free = [i for i, axis in enumerate(spec) if axis is None and shape[i] % data == 0]
-        if free:
-            spec[free[0]] = DATA
+        dim = zero_padding.data_dim(names, shape, spec, data, pad)
+        if dim is not None:
+            spec[dim] = DATA
     return spec
 
 

@@ -12,12 +12,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 
 import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from moe_jax import optimizer
 from moe_jax.config import Config, ModelConfig, MoEConfig, TrainConfig
 from moe_jax.parallel import distributed_optimizer, mesh, registry
 from moe_jax.parallel.layout import Layout, split_size
@@ -93,11 +95,20 @@ def placement(
     layout = Layout(param_rules=registry.param_rules(config))
     zero = config.parallel.zero
     names = names_of(config, array)
-    spec = mesh.placement(layout, names, shape, config.parallel.data, array.moment and zero == 1)
+    over_data = array.moment and zero == 1
+    pad = over_data and not (config.train.optimizer == "muon" and _is_muon_matrix(array))
+    spec = mesh.placement(layout, names, shape, config.parallel.data, over_data, pad)
     if zero == 2 and master and (array.part == "params" or array.moment):
         spec = distributed_optimizer.master_spec(mesh_sizes(config), P(*spec), shape, names)
         spec = [*spec, *[None] * (len(shape) - len(spec))]
     return spec
+
+
+def _is_muon_matrix(array: StateArray) -> bool:
+    """Whether Muon orthogonalises the parameter `array` belongs to (its moments are
+    never padded: `moe_jax.parallel.zero_padding`)."""
+    keys = re.findall(r"\['([^']+)'\]", array.path)
+    return len(array.shape) >= 2 and any(k in optimizer.MUON_MATRICES for k in keys[-1:])
 
 
 def names_of(config: Config, array: StateArray) -> tuple[str | None, ...]:
