@@ -241,9 +241,8 @@ class ParallelConfig:
     stages: int = 1  # S: pipeline stages the MoE layer stack is cut over (1: no pipeline)
     microbatches: int = 1  # M: micro-batches per step through the pipeline, a multiple of S
     repeats: int = 1  # R: circular schedule, R non-adjacent layer groups per stage
-    # 'gpipe', '1f1b' (`moe_jax.parallel.pipeline_1f1b`: inputs held bounded by S R) or
-    # 'zero_bubble' (1F1B, each backward cut in input- and weight-gradient items)
-    schedule: str = "gpipe"
+    schedule: str = "gpipe"  # 'gpipe', '1f1b' or 'zero_bubble' (`pipeline_1f1b`)
+    stash_depth: int = 0  # zero_bubble: the most ticks a W trails its B (0: S - 1, all)
 
 
 @dataclasses.dataclass(frozen=True)

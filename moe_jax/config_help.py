@@ -273,6 +273,12 @@ MEANINGS: dict[str, str] = {
         "M R + S - 1; a stash of about S items of weight-GEMM inputs and output gradients); "
         "`gpipe` without a pipeline"
     ),
+    "parallel.stash_depth": (
+        "zero_bubble: the most ticks a stage defers an item's weight gradients after its "
+        "input gradient; the stash holds about that many items plus one, and each tick "
+        "takes one W out of the bubble (M R + S - 1 - depth ticks of W work); 0: S - 1, "
+        "every stage's W in the same ticks (a stash of about S items)"
+    ),
     "parallel.ag_threshold": "`auto` picks `ep_ag` when `moe.top_k / parallel.intra` exceeds this",
     "parallel.intra": "n: devices of one intra-node group (experts and sequence split over it)",
     "parallel.data": "data-parallel groups; `0` uses every device not taken by `intra`",

@@ -140,6 +140,15 @@ def check_meaningful(config: Config) -> None:
         p.schedule,
         "schedules a pipeline (parallel.stages > 1): leave it 'gpipe' without one",
     )
+    check(
+        p.stash_depth == 0
+        or p.layout == "auto"
+        or (p.schedule == "zero_bubble" and 0 < p.stash_depth < p.stages),
+        "parallel.stash_depth",
+        p.stash_depth,
+        f"bounds zero_bubble's stash: from 1 to parallel.stages - 1 = {p.stages - 1} with "
+        "parallel.schedule=zero_bubble, else 0 (0: S - 1)",
+    )
     e = config.moe
     check(
         not e.tile_size or e.impl in ("auto", "tiled"),

@@ -106,6 +106,27 @@ def test_zero_bubble_runs_each_weight_item_once_after_its_input_gradient(stages,
     assert zero_bubble(stages, 2 * micro, repeats).stash_slots == table.stash_slots
 
 
+@pytest.mark.parametrize("stages,micro,repeats", [(4, 8, 1), (4, 8, 2), (15, 30, 4)])
+def test_a_shallower_stash_defers_each_weight_item_at_most_its_depth(stages, micro, repeats):
+    """`parallel.stash_depth` D: each W on its stage D ticks after its B at most (as late
+    as the aligned table's otherwise), so the stash holds D + 1 items and W work fills
+    M R + S - 1 - D ticks: each tick of depth takes one W tick out of the bubble."""
+    full = zero_bubble(stages, micro, repeats)
+    for depth in range(1, stages - 1):
+        table = zero_bubble(stages, micro, repeats, depth)
+        for s in range(stages):
+            b_ticks = np.nonzero(table.backward[:, s] != NONE)[0]
+            w_ticks = np.nonzero(table.weight[:, s] != NONE)[0]
+            aligned = np.nonzero(full.weight[:, s] != NONE)[0]
+            np.testing.assert_array_equal(w_ticks, np.minimum(aligned, b_ticks + depth))
+            np.testing.assert_array_equal(table.weight[w_ticks, s], table.backward[b_ticks, s])
+            np.testing.assert_array_equal(
+                table.weight_slot[w_ticks, s], table.stash_slot[b_ticks, s]
+            )
+        assert table.stash_slots == depth + 1
+        assert table.weight_ticks() == micro * repeats + stages - 1 - depth
+
+
 def test_inputs_in_flight_are_bounded_by_stages_and_repeats_not_micro_batches():
     for stages, repeats in ((2, 1), (4, 1), (4, 2), (15, 4)):
         slots = {
@@ -135,6 +156,9 @@ CASES = [
     (4, 2, 1, 2, 8, "sp", "ep_a2a"),
 ]
 EIGHT_MOE = dataclasses.replace(MODEL.model, num_layers=9)
+# zero-bubble with a shallower stash (`parallel.stash_depth`) at (4, 8, 1): each W at
+# most a tick after its B; the other cases defer as long as aligning the stages needs
+DEPTH = {CASES[3]: 1}
 
 
 def _configs(case, schedule: str = "1f1b"):
@@ -144,7 +168,11 @@ def _configs(case, schedule: str = "1f1b"):
     if s * r > 4:
         run = dataclasses.replace(run, model=EIGHT_MOE)
         ref = dataclasses.replace(ref, model=EIGHT_MOE)
-    return _scheduled(run, schedule), ref
+    run = _scheduled(run, schedule)
+    if schedule == "zero_bubble" and case in DEPTH:
+        plan = dataclasses.replace(run.parallel, stash_depth=DEPTH[case])
+        run = dataclasses.replace(run, parallel=plan)
+    return run, ref
 
 
 def _label(case) -> str:
@@ -164,7 +192,8 @@ def test_loss_gradients_and_three_steps_equal_one_device(case, schedule, monkeyp
     # gradients beside backward GEMMs it can overlap, repeat 0's after the loop
     s, m, r = config.parallel.stages, config.parallel.microbatches, config.parallel.repeats
     table = one_f_one_b(s, m, r)
-    sums = loop_sums(zero_bubble(s, m, r) if schedule == "zero_bubble" else table)
+    depth = config.parallel.stash_depth
+    sums = loop_sums(zero_bubble(s, m, r, depth) if schedule == "zero_bubble" else table)
     if schedule == "zero_bubble":  # W: one GEMM per weight matrix of the stage's layers,
         if not cut:  # and nothing it exchanges (traced again if the step was cached)
             planned.__wrapped__(config)

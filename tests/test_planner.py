@@ -180,16 +180,28 @@ def test_choose_plan_pipelines_only_without_grad_accum():
 
 def test_megascale_352b_on_1440_gpus_is_a_pipeline_the_trainer_runs():
     """The 352B model on 1440 H800 (global batch 720): the best plan that fits is a
-    pipeline the trainer runs, its bubble its formula's."""
+    pipeline the trainer runs, zero-bubble with the deepest stash that fits (ZeRO-1's
+    padded moments leave room for it: `moe_jax.parallel.zero_padding`), its bubble 1F1B's
+    less one W per tick of depth."""
     config = load("megascale_352b")
     best = planner.rank(config, 1440, H800, 720, limit=1).best
     plan, cost = best.plan, best.cost
+    p = plan.parallel
     assert plan.pipelined and planner.fits(best.memory, H800)
     assert not registry.problems(plan.config(config, 720), 1440, "gpu")
-    stages = plan.parallel.stages
-    ticks = cost.micro_batches * plan.parallel.repeats + stages - 1
-    assert cost.bubble == pytest.approx((stages - 1) / ticks)
-    assert cost.breakdown["bubble"] == pytest.approx((stages - 1) * cost.micro_batch_s)
+    assert (p.schedule, p.zero) == ("zero_bubble", 1) and 0 < p.stash_depth < p.stages - 1
+    at = lambda **kw: dataclasses.replace(plan, parallel=dataclasses.replace(p, **kw))
+    deeper = at(stash_depth=p.stash_depth + 1)
+    assert not planner.fits(planner._memory(config, deeper, 720), H800)
+    sibling = at(schedule="1f1b", stash_depth=0)
+    one_f_one_b = cost_model.step_cost(config, sibling, H800, 720)
+    full = (p.stages - 1) * cost.micro_batch_s
+    assert one_f_one_b.breakdown["bubble"] == pytest.approx(full)
+    assert one_f_one_b.micro_batch_s == pytest.approx(cost.micro_batch_s)
+    w = cost_model.CostModel(config, plan, H800, 720, op_costs.Efficiency()).deferred_s()
+    w /= p.stash_depth
+    assert cost.breakdown["bubble"] == pytest.approx(full - p.stash_depth * w)
+    assert cost.step_s == pytest.approx(one_f_one_b.step_s - p.stash_depth * w)
 
 
 def test_ring_all_gather_is_alpha_beta():

@@ -137,6 +137,7 @@ class Layout:
     # None: the stack alone through `pipeline_run` (GPipe), the loss after it.
     pipeline_loss: Callable | None = None
     schedule: str = "gpipe"
+    stash_depth: int = 0  # parallel.stash_depth (`pipeline_schedule.zero_bubble`)
     microbatches: int = 1
     repeats: int = 1
     # parallel.zero: 2 is the distributed optimizer (`moe_jax.parallel.distributed_optimizer`):

@@ -61,6 +61,7 @@ def make_layout(config: Config, mesh: Mesh) -> Layout:
         pipeline_run=pipeline.run if config.parallel.stages > 1 else None,
         pipeline_loss=pipeline_1f1b.run_loss if config.parallel.schedule != "gpipe" else None,
         schedule=config.parallel.schedule,
+        stash_depth=config.parallel.stash_depth,
         microbatches=config.parallel.microbatches,
         repeats=config.parallel.repeats,
         zero=config.parallel.zero,

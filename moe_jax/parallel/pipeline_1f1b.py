@@ -68,7 +68,9 @@ from moe_jax.parallel.scopes import DOCUMENT_POSITIONS, GRAD_EXCHANGE, PIPELINE,
 
 
 def table(layout: Layout) -> Table:
-    return tick_table(layout.schedule, layout.stages, layout.microbatches, layout.repeats)
+    return tick_table(
+        layout.schedule, layout.stages, layout.microbatches, layout.repeats, layout.stash_depth
+    )
 
 
 def sums_in_loop(schedule: str, zero: int) -> bool:

@@ -123,18 +123,24 @@ def one_f_one_b(stages: int, microbatches: int, repeats: int = 1) -> Table:
 
 
 @functools.cache
-def zero_bubble(stages: int, microbatches: int, repeats: int = 1) -> Table:
+def zero_bubble(stages: int, microbatches: int, repeats: int = 1, depth: int = 0) -> Table:
     """1F1B's table with each backward cut in two (Qi et al.'s B and W): B, the input
     gradient the stage before waits for, at 1F1B's tick; W, the weights' gradients, which
     nothing waits for, at the latest tick at which every stage has run its k-th B, so
     that the k-th W of every stage runs in the same tick. In lock step a tick costs the
     work of its busiest stage, so W work costs M R ticks instead of 1F1B's M R + S - 1:
     the bubble loses (S - 1) W. What B keeps for W (the weight GEMMs' inputs and output
-    gradients) waits in a stash of `stash_slots` items, about S."""
+    gradients) waits in a stash of `stash_slots` items, about S.
+
+    `depth` (`parallel.stash_depth`) > 0 bounds how long a W waits: at most `depth`
+    ticks after its B, so the stash holds about `depth` + 1 items, and W work costs
+    M R + S - 1 - `depth` ticks (each tick of waiting allowed takes one W out of the
+    bubble); 0: as long as aligning every stage's W needs."""
     base = one_f_one_b(stages, microbatches, repeats)
     b = base.backward
     per_stage = [np.nonzero(b[:, s] != NONE)[0] for s in range(stages)]  # each's B ticks
-    when = np.max(np.stack(per_stage), axis=0)  # the k-th W's tick, every stage's
+    aligned = np.max(np.stack(per_stage), axis=0)  # the k-th W's tick, every stage's
+    when = [aligned if depth <= 0 else np.minimum(aligned, ticks + depth) for ticks in per_stage]
     rows = {n: np.full_like(b, NONE) for n in ZERO_BUBBLE_ROWS}
     pools = [_Slots() for _ in range(stages)]
     kept: dict[tuple[int, int], int] = {}  # (stage, k) -> its stash slot
@@ -143,8 +149,7 @@ def zero_bubble(stages: int, microbatches: int, repeats: int = 1) -> Table:
             if b[t, s] != NONE:
                 k = int(np.searchsorted(per_stage[s], t))
                 kept[(s, k)] = rows["stash_slot"][t, s] = pools[s].take()
-        for k in np.nonzero(when == t)[0]:
-            for s in range(stages):
+            for k in np.nonzero(when[s] == t)[0]:
                 at = per_stage[s][k]
                 rows["weight"][t, s], rows["weight_slot"][t, s] = b[at, s], kept[(s, k)]
                 rows["weight_repeat"][t, s] = base.backward_repeat[at, s]
@@ -157,10 +162,14 @@ def zero_bubble(stages: int, microbatches: int, repeats: int = 1) -> Table:
 ZERO_BUBBLE_ROWS = ("weight", "weight_repeat", "weight_slot", "stash_slot")
 
 
-def tick_table(schedule: str, stages: int, microbatches: int, repeats: int = 1) -> Table:
-    """The table of `parallel.schedule` '1f1b' or 'zero_bubble'."""
-    cut = zero_bubble if schedule == "zero_bubble" else one_f_one_b
-    return cut(stages, microbatches, repeats)
+def tick_table(
+    schedule: str, stages: int, microbatches: int, repeats: int = 1, depth: int = 0
+) -> Table:
+    """The table of `parallel.schedule` '1f1b' or 'zero_bubble' (`depth`: its
+    `parallel.stash_depth`)."""
+    if schedule == "zero_bubble":
+        return zero_bubble(stages, microbatches, repeats, depth)
+    return one_f_one_b(stages, microbatches, repeats)
 
 
 # The table's arrays, each [ticks, stages].

@@ -30,6 +30,7 @@ PLAN_FIELDS = (
     "microbatches",
     "repeats",
     "schedule",
+    "stash_depth",
 )
 
 

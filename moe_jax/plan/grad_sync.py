@@ -96,7 +96,7 @@ class GradSync:
         sums = None
         if pipeline_1f1b.sums_in_loop(p.schedule, p.zero):
             table = pipeline_schedule.tick_table(
-                p.schedule, p.stages, self.micro_batches, p.repeats
+                p.schedule, p.stages, self.micro_batches, p.repeats, p.stash_depth
             )
             sums = pipeline_schedule.loop_sums(table)
         if sums is None:

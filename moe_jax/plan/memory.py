@@ -409,7 +409,8 @@ def pipeline_activation_bytes(
         return _head_bytes(config, z) + z.t * config.model.vocab_size * FP32 // chunks
 
     if config.parallel.schedule != "gpipe":  # head and tail of one micro-batch per tick
-        table = tick_table(config.parallel.schedule, stages, micro, repeats)
+        p = config.parallel
+        table = tick_table(p.schedule, stages, micro, repeats, p.stash_depth)
         kept_p, working_p = stage_activation_bytes(config, outside, False, micro_batch)
         working = max(kept_g + working_g, kept_m + working_m + head(z) + tables, kept_p + working_p)
         # the M micro-batches' token ids, targets, MTP tokens, targets and weights

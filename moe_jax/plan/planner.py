@@ -8,6 +8,7 @@ model says so term by term, so the choice can be read and argued with.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import math
@@ -188,7 +189,7 @@ def plans(
             overlaps = [o for o in cost_model.SEARCHES[overlap] if n > 1 or not o[1]]
             for (att, exp, etp), b, split, (c, ring), r, zero in (
                 (k, b, f, o, r, z)
-                for z in _zeros(data, pipeline)
+                for z in _zeros(data, pipeline, grad_sync)
                 for k in kinds
                 for b in sizes
                 if b > 0
@@ -223,14 +224,18 @@ def plans(
                         yield dataclasses.replace(plan, parallel=parallel)
 
 
-def _zeros(data: int, pipeline: str) -> tuple[int, ...]:
-    """ZeRO settings tried: with data parallelism ZeRO-1 (the same bytes as an all-reduce,
-    the optimizer state split) and the distributed optimizer (`parallel.zero=2`: float32
-    masters split too, bf16 compute copies gathered); not for the paper's systems, whose
-    optimizer the paper fixes."""
+def _zeros(data: int, pipeline: str, grad_sync: str) -> tuple[int, ...]:
+    """ZeRO settings tried: with data parallelism ZeRO-1 (the optimizer state split; the
+    paper's sync moves an all-reduce's bytes with it) and the distributed optimizer
+    (`parallel.zero=2`: float32 masters split too, bf16 compute copies gathered); not
+    for the paper's systems, whose optimizer the paper fixes. Under the trainer's sync
+    (`per_micro_batch`) ZeRO 0 too: there ZeRO-1 all-gathers the updated float32 weights
+    after the gradients' all-reduce, bytes that ZeRO 0's memory may save."""
     if data == 1:
         return (0,)
-    return (1,) if pipeline == PAPER_PIPELINE else (1, 2)
+    if pipeline == PAPER_PIPELINE:
+        return (1,)
+    return (0, 1, 2) if grad_sync == "per_micro_batch" else (1, 2)
 
 
 def _layouts(n: int, data: int, attention: tuple[str, ...], experts: tuple[str, ...]):
@@ -284,10 +289,10 @@ def rank(
         _step_cost(config, plan, gpu, batch, eff)
         for plan in plans(config, gpus, gpu, batch, pp, overlap, **restrict)
     ]
-    costs.sort(key=lambda c: (round(c.step_s, 9), c.plan.label, c.plan.parallel.etp))
+    costs.sort(key=_order)
     kept, dropped, smallest = [], 0, math.inf
     too_big: dict[Plan, int] = {}  # plan, micro-batches zeroed -> smallest that did not fit
-    for cost in costs:
+    for i, cost in enumerate(costs):  # `costs` may grow behind i (a shallower stash)
         if limit is not None and len(kept) >= limit:
             break
         plan = cost.plan
@@ -304,9 +309,31 @@ def rank(
             dropped += 1
             smallest = min(smallest, memory.total)
             too_big[key] = min(cost.micro_batch, too_big.get(key, math.inf))
+            if (shallower := _shallower_stash(config, plan, gpu, batch)) is not None:
+                shallower_cost = _step_cost(config, shallower, gpu, batch, eff)
+                bisect.insort(costs, shallower_cost, i + 1, key=_order)
             continue
         kept.append(Candidate(cost, memory))
     return Ranking(kept, dropped, len(costs), smallest, gpu, gpus, batch)
+
+
+def _order(cost: StepCost) -> tuple:
+    return round(cost.step_s, 9), cost.plan.label, cost.plan.parallel.etp
+
+
+def _shallower_stash(config: Config, plan: Plan, gpu: GPU, batch: int) -> Plan | None:
+    """A zero-bubble plan whose stash (S - 1 deep) does not fit, with the deepest
+    `parallel.stash_depth` that does (each tick of depth one item of stash, one W out
+    of the bubble), or None. Memory grows with the depth: a bisection."""
+    p = plan.parallel
+    if p.schedule != "zero_bubble" or p.stash_depth or p.stages < 3:
+        return None
+    deep = lambda d: dataclasses.replace(plan, parallel=dataclasses.replace(p, stash_depth=d))
+    low, high = 0, p.stages - 1  # fits at low (0 standing for 1F1B's), not at high
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(_memory(config, deep(mid), batch), gpu) else (low, mid)
+    return deep(low) if low else None
 
 
 def _memory(config: Config, plan: Plan, batch: int):
@@ -449,7 +476,10 @@ def _bubble(cost: StepCost) -> str:
     if not p.pipelined:
         stages = f"p={p.parallel.stages}, m={m}"
         return f"{cost.bubble:.1%} of each stage's time (1F1B, (p-1)/(m+p-1), {stages})"
-    zb = "tick time ((S-1)(T-W): a tick's weight gradients W run in M R ticks,"
+    depth = p.parallel.stash_depth or p.parallel.stages - 1
+    full = (p.parallel.stages - 1) * cost.micro_batch_s  # 1F1B's: S - 1 ticks of T
+    taken = full - cost.breakdown.get("bubble", 0.0)
+    zb = f"tick time ((S-1)T - D W: 1F1B's {full:.4g} s less {taken:.4g} s, D={depth} W,"
     formula = zb if p.parallel.schedule == "zero_bubble" else "ticks ((S-1)/(M R + S - 1),"
     return (
         f"{cost.bubble:.1%} of the pipelined {formula} S={p.parallel.stages} stages, "
@@ -467,33 +497,3 @@ def runner_up(ranking: Ranking) -> Candidate | None:
         if slower and (c.plan.parallel.attention, c.plan.parallel.experts) != pair:
             return c
     return None
-
-
-def summary(candidate: Candidate) -> dict:
-    """The JSON form of one plan's prediction."""
-    c = candidate.cost
-    plan, p = c.plan, c.plan.parallel
-    return {
-        "attention": p.attention,
-        "experts": p.experts,
-        "n": p.intra,
-        "pp": p.stages,
-        "repeats": p.repeats,
-        "pipeline": plan.pipeline,
-        "schedule": p.schedule,
-        "data": p.data,
-        "micro_batch": c.micro_batch,
-        "zero": p.zero,
-        "expert_fsdp": p.expert_fsdp,
-        "overlap_chunks": p.overlap_chunks,
-        "collective_matmul": p.collective_matmul,
-        "overlap": plan.overlap,
-        "tokens_per_sec": c.tokens_per_sec,
-        "mfu": c.mfu,
-        "step_s": c.step_s,
-        "micro_batches": c.micro_batches,
-        "bubble": c.bubble,
-        "breakdown_s": c.breakdown,
-        "hidden_s": c.hidden,
-        "memory_bytes": None if candidate.memory is None else candidate.memory.total,
-    }

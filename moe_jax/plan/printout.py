@@ -30,7 +30,7 @@ LEGEND = (
     "  plan          parallel.attention+parallel.experts, then /E: parallel.etp=E (ep_etp: "
     "devices splitting each expert's width), +fsdp: parallel.expert_fsdp=True, +cN: "
     "parallel.overlap_chunks=N, +cm: parallel.collective_matmul=True, +1f1b: "
-    "parallel.schedule=1f1b, +zb: parallel.schedule=zero_bubble",
+    "parallel.schedule=1f1b, +zb: parallel.schedule=zero_bubble (+zbD: parallel.stash_depth=D)",
     "  intra         parallel.intra: devices of one intra-node group (experts and sequences "
     "split there)",
     "  stages        parallel.stages: pipeline stages (S; 1: no pipeline)",
@@ -84,6 +84,7 @@ def row(tag: str, c: planner.Candidate) -> str:
     label += f"+c{p.overlap_chunks}" if p.overlap_chunks > 1 else ""
     label += "+cm" if p.collective_matmul else ""
     label += {"1f1b": "+1f1b", "zero_bubble": "+zb"}.get(p.schedule, "")
+    label += str(p.stash_depth or "")
     memory = f"{c.memory.total / 1e9:>8.1f}" if c.memory is not None else f"{'-':>8}"
     return (
         f"{tag:>3} {label:<26}{p.intra:>6}{p.stages:>7}{p.repeats:>8}{p.data:>6}{p.zero:>5}"
@@ -126,3 +127,34 @@ def launch(
             "(parallel.layout=auto) picks the same plan"
         )
     return lines
+
+
+def summary(candidate: planner.Candidate) -> dict:
+    """The JSON form of one plan's prediction."""
+    c = candidate.cost
+    plan, p = c.plan, c.plan.parallel
+    return {
+        "attention": p.attention,
+        "experts": p.experts,
+        "n": p.intra,
+        "pp": p.stages,
+        "repeats": p.repeats,
+        "pipeline": plan.pipeline,
+        "schedule": p.schedule,
+        "stash_depth": p.stash_depth,
+        "data": p.data,
+        "micro_batch": c.micro_batch,
+        "zero": p.zero,
+        "expert_fsdp": p.expert_fsdp,
+        "overlap_chunks": p.overlap_chunks,
+        "collective_matmul": p.collective_matmul,
+        "overlap": plan.overlap,
+        "tokens_per_sec": c.tokens_per_sec,
+        "mfu": c.mfu,
+        "step_s": c.step_s,
+        "micro_batches": c.micro_batches,
+        "bubble": c.bubble,
+        "breakdown_s": c.breakdown,
+        "hidden_s": c.hidden,
+        "memory_bytes": None if candidate.memory is None else candidate.memory.total,
+    }

@@ -156,13 +156,14 @@ class Schedules:
         return tally
 
     def deferred_s(self) -> float:
-        """What zero-bubble takes out of a tick of the bubble (0 under the other
-        schedules): its W item, the weights' half of each weight GEMM's backward (the
-        input gradient is the other) and their addition into the step's sum, run in M R
-        ticks of every stage at once (`pipeline_schedule.zero_bubble`). B keeps its
-        exchanges' timing as 1F1B's (their GEMMs to hide behind shrink by W; not
-        modelled)."""
-        if self.plan.parallel.schedule != "zero_bubble":
+        """What zero-bubble takes out of the bubble (0 under the other schedules): its W
+        item, the weights' half of each weight GEMM's backward (the input gradient is
+        the other) and their addition into the step's sum, once per tick a W may trail
+        its B (`parallel.stash_depth`, S - 1 at most: then every stage's W runs in the
+        same M R ticks, `pipeline_schedule.zero_bubble`). B keeps its exchanges'
+        timing as 1F1B's (their GEMMs to hide behind shrink by W; not modelled)."""
+        p = self.plan.parallel
+        if p.schedule != "zero_bubble":
             return 0.0
 
         def weights_half(ops: list) -> float:
@@ -172,7 +173,8 @@ class Schedules:
         attention = weights_half(self.attention_ops())
         unit = attention + weights_half(self.moe_ops())
         unit += (self.config.model.moe_every - 1) * (attention + weights_half(self.mlp_ops()))
-        return self.units_per_group() * unit + self.accumulation_s(self.group_params())
+        w = self.units_per_group() * unit + self.accumulation_s(self.group_params())
+        return (p.stash_depth or p.stages - 1) * w
 
     def outside(self) -> Tally:
         """The dense prefix and the head of one micro-batch, outside the pipeline."""
@@ -185,7 +187,7 @@ class Schedules:
         """(tick, outside, `pipeline_sync_parts`): what a pipelined plan's two
         schedules share, computed once for the pair (the planner yields them one after
         the other)."""
-        gpipe = dataclasses.replace(self.plan.parallel, schedule="gpipe")
+        gpipe = dataclasses.replace(self.plan.parallel, schedule="gpipe", stash_depth=0)
         twin = dataclasses.replace(self.plan, parallel=gpipe)
         return _shared_costs(type(self), self.config, twin, self.gpu, self.global_batch, self.eff)
 
@@ -215,7 +217,7 @@ class Schedules:
         breakdown["grad_accumulation"] += passes * self.accumulation_s(outside, passes=passes)
         if not one_f_one_b:  # the embedded micro-batches to stage 0, the outputs back
             breakdown["pipeline_p2p"] += 4 * (p.stages - 1) * self.send_s(k * self.t)
-        breakdown["bubble"] = (p.stages - 1) * (tick.seconds - self.deferred_s())
+        breakdown["bubble"] = (p.stages - 1) * tick.seconds - self.deferred_s()
         breakdown["grad_sync"], hidden = self.pipeline_sync_split(*parts, tick.backward)
         breakdown["optimizer"] = self.optimizer_s(p.repeats * self.group_params() + outside)
         breakdown.update(self.muon_s())

@@ -165,6 +165,7 @@ def placement_key(config: Config) -> Config:
         microbatches=1,
         repeats=1,
         schedule="gpipe",
+        stash_depth=0,
     )
     train = dataclasses.replace(config.train, batch_size=1, grad_accum=1)
     return dataclasses.replace(config, parallel=parallel, train=train)
