@@ -237,14 +237,10 @@ def test_one_f_one_b_holds_inputs_bounded_by_stages_not_micro_batches(schedule):
 def test_zero_bubble_holds_its_stash_as_the_memory_model_says():
     """Zero-bubble keeps what each B leaves for its W (the weight GEMMs' inputs and output
     gradients) in a stash of S items: XLA's temporaries above 1F1B's as the memory
-    model's say, within 15%, the stash term most of it."""
-    from moe_jax.plan import memory
-
+    model's say, within 15%."""
     zb, one_f = _temporaries_and_model(4, 2, "zero_bubble"), _temporaries_and_model(4, 2, "1f1b")
-    terms = memory.pipeline_activation_bytes(_config(4, 2, "zero_bubble", 512, 0), 2, 4, 2, 1)
     grown, modelled = zb[0] - one_f[0], zb[1] - one_f[1]
     assert grown == pytest.approx(modelled, rel=0.15), (grown, modelled)
-    assert terms["stash"] > 0.9 * modelled
 
 
 def test_one_f_one_b_holds_no_more_than_gpipe_where_weights_outweigh_activations():
