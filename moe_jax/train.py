@@ -10,7 +10,23 @@ alone: without `--config`, a run's saved config.json gives the defaults and the
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
+
+INTERRUPTED = "error: interrupted (Ctrl-C) before training started; run again to start"
+
+
+def _interrupted_starting(signum: int, frame: object) -> None:
+    """Ctrl-C while the command's modules load, before `main` (a launcher passes one on
+    to processes still starting): `main`'s line and status, not an import's traceback."""
+    print(INTERRUPTED, file=sys.stderr, flush=True)
+    os._exit(130)
+
+
+if __name__ == "__main__":  # first: the imports below (and `_main`'s) take seconds
+    signal.signal(signal.SIGINT, _interrupted_starting)
+
 from pathlib import Path
 
 from absl import app, flags
@@ -29,11 +45,7 @@ def main(argv: list[str]) -> None:
     try:
         _main(argv)
     except KeyboardInterrupt:  # before training started (the loop saves and stops itself)
-        print(
-            "error: interrupted (Ctrl-C) before training started; run again to start",
-            file=sys.stderr,
-            flush=True,
-        )
+        print(INTERRUPTED, file=sys.stderr, flush=True)
         raise SystemExit(130) from None
 
 
@@ -61,6 +73,9 @@ def _main(argv: list[str]) -> None:
 
     if started:
         trainer.say(started)
+    # From here Ctrl-C is a KeyboardInterrupt (`main`'s line) until the loop's own stop
+    # request takes it; before, the quiet exit of `_interrupted_starting` (imports).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         trainer.run(config, workdir)
     except trainer.RunError as error:
