@@ -19,7 +19,7 @@ from moe_jax.config import Config, TrainConfig
 from moe_jax.model.transformer import Transformer
 from moe_jax.moe.block import RouterBias
 from moe_jax.optimizer import make_optimizer, muon_dimensions
-from moe_jax.parallel import pipeline, zero_padding
+from moe_jax.parallel import mesh, pipeline, zero_padding
 from moe_jax.parallel.layout import SINGLE_DEVICE, Layout
 
 
@@ -61,4 +61,4 @@ def moment_paddings(cfg: TrainConfig, params, layout: Layout | None) -> tuple:
         dims = muon_dimensions(params)
         whole = lambda d: d is None or isinstance(d, MuonDimensionNumbers)
         eligible = [d is None for d in jax.tree.leaves(dims, is_leaf=whole)]
-    return zero_padding.paddings(params, layout, eligible)
+    return mesh.moment_paddings(params, layout, eligible)

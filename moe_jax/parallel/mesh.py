@@ -126,6 +126,26 @@ def placement(
     return spec
 
 
+def moment_paddings(params, layout: Layout, eligible=None) -> tuple:
+    """Per leaf of `params` (an nnx state, in `jax.tree.leaves` order) how ZeRO-1 pads its
+    moments under `layout` (`zero_padding.Padding`): where `placement` splits one over
+    'data' along a dimension the data size does not divide; `eligible`: which leaves may
+    pad (all by default)."""
+    variables = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    data = layout.mesh.shape[DATA] if layout.mesh is not None else 1
+    if layout.zero != 1 or data == 1:
+        return (None,) * len(variables)
+    out = []
+    for variable, pad in zip(variables, eligible or [True] * len(variables), strict=True):
+        names = variable.get_metadata().get("out_sharding") or ()
+        shape = variable.get_value().shape
+        spec = placement(layout, names, shape, data, True, pad)
+        uneven = [i for i, axes in enumerate(spec) if axes == DATA and shape[i] % data]
+        dim = uneven[0] if uneven else None
+        out.append(None if dim is None else (dim, zero_padding.padded_size(shape[dim], data)))
+    return tuple(out)
+
+
 def _shardings(state, layout: Layout, over_data: bool, master: bool = False):
     data = layout.mesh.shape[DATA]
 

@@ -15,17 +15,15 @@ the padding of the updates (`unpad`): zero gradients keep zero moments and give 
 updates, and every other element is computed as without the padding. Muon's matrices
 are not padded (its update reads their shapes). Checkpoints hold the moments padded;
 restoring pads or truncates the zeros to the restoring plan's form (`moe_jax.checkpoint`).
+Which moment pads, and how much, is `moe_jax.parallel.mesh.moment_paddings`: the
+placement that also gives the moments' shardings.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
-from moe_jax.parallel.layout import DATA, Layout, axes_of
 from moe_jax.parallel.pipeline import PIPELINED
 
 # A stack's layer axes: never padded (`moe_jax.model.transformer.Stack`, and the
@@ -53,29 +51,8 @@ def padded_size(size: int, data: int) -> int:
     return -(-size // data) * data
 
 
-def paddings(params, layout: Layout, eligible: Sequence[bool] | None = None) -> tuple:
-    """Per leaf of `params` (an nnx state, in `jax.tree.leaves` order) its `Padding`
-    under `layout` (its ZeRO-1 over its 'data' axis); `eligible`: which leaves may pad
-    (all by default)."""
-    data = layout.mesh.shape[DATA] if layout.mesh is not None else 1
-    variables = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    if layout.zero != 1 or data == 1:
-        return (None,) * len(variables)
-    eligible = [True] * len(variables) if eligible is None else eligible
-    out = []
-    for variable, may in zip(variables, eligible, strict=True):
-        names = variable.get_metadata().get("out_sharding") or ()
-        shape = variable.get_value().shape
-        spec = [*layout.param_spec(names), *[None] * len(shape)][: len(shape)]
-        used = any(DATA in axes_of(axes) for axes in spec)
-        dim = None if used else data_dim(names, shape, spec, data, may)
-        uneven = dim is not None and shape[dim] % data
-        out.append((dim, padded_size(shape[dim], data)) if uneven else None)
-    return tuple(out)
-
-
 def pad(tree, pads: tuple[Padding, ...]):
-    """`tree` (leaves in `paddings`' order) with each padded leaf's zeros appended."""
+    """`tree` (leaves in `mesh.moment_paddings`' order) with each padded leaf's zeros appended."""
     if not any(pads):
         return tree
     leaves, treedef = jax.tree.flatten(tree)

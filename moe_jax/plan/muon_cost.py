@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import re
 
 from jax.sharding import PartitionSpec as P
 from optax.contrib import MuonDimensionNumbers
@@ -77,12 +76,6 @@ def exchange_sent(
     return out
 
 
-def _name(path: str) -> str:
-    """A state array's parameter name: the last string key of its path."""
-    keys = re.findall(r"\['([^']+)'\]", path)
-    return keys[-1] if keys else ""
-
-
 def muon_work(config: Config) -> MuonWork:
     """One device's Newton-Schulz FLOPs and exchanges per update under `config`'s
     placement (none under AdamW): each Muon matrix's stack of matrices divided as its
@@ -98,7 +91,7 @@ def _muon_work(config: Config) -> MuonWork:
     sizes = state_arrays.mesh_sizes(config)
     flops, sent, whole_bytes = 0.0, [], 0.0
     for array in state_arrays.state_arrays(config):
-        axes = optimizer.MUON_MATRICES.get(_name(array.path))
+        axes = optimizer.MUON_MATRICES.get(state_arrays.param_name(array))
         if array.part != "params" or axes is None or len(array.shape) < 2:
             continue
         shape, reduction = array.shape, axes[0]

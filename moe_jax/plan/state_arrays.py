@@ -104,11 +104,16 @@ def placement(
     return spec
 
 
+def param_name(array: StateArray) -> str:
+    """A state array's parameter name: the last string key of its path."""
+    keys = re.findall(r"\['([^']+)'\]", array.path)
+    return keys[-1] if keys else ""
+
+
 def _is_muon_matrix(array: StateArray) -> bool:
     """Whether Muon orthogonalises the parameter `array` belongs to (its moments are
     never padded: `moe_jax.parallel.zero_padding`)."""
-    keys = re.findall(r"\['([^']+)'\]", array.path)
-    return len(array.shape) >= 2 and any(k in optimizer.MUON_MATRICES for k in keys[-1:])
+    return len(array.shape) >= 2 and param_name(array) in optimizer.MUON_MATRICES
 
 
 def names_of(config: Config, array: StateArray) -> tuple[str | None, ...]:
